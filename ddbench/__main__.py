@@ -1,0 +1,3 @@
+from ddbench.cli import main
+
+main()

@@ -1,0 +1,132 @@
+"""The `ddbench` command line: one subcommand per routine, heavy imports inside each.
+
+Every command takes `--out DIR` (default `results/`) and a seed where it draws random
+data; bad input prints one line to stderr and exits with code 2.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ddbench import UserError
+
+app = typer.Typer(
+    help="ddbench: benchmark and profile a Kimi K2.6 DDTree speculative engine "
+         "(INT4 MoE GEMM, NCCL all-reduce, tree kernels, end-to-end decoding) "
+         "and compare it with a live SGLang service.",
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+OUT = typer.Option(Path("results"), "--out", help="Folder for results (CSV + JSON sidecar).")
+SEED = typer.Option(0, "--seed", help="Random seed.")
+PRESET = typer.Option("k2.6", "--preset", help="Model preset: k2.6, k2.6-tp8-rank or tiny.")
+OVERRIDE = typer.Option(None, "--override", "-o", help="Config field override FIELD=VALUE (repeatable).")
+
+
+def fail(message: str) -> None:
+    """Print a one-line error and exit with code 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def user_errors(fn):
+    """Turn UserError/ConfigError (and a Ctrl-C) into a one-line message and exit code."""
+    from engine.config import ConfigError
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (UserError, ConfigError) as e:
+            fail(str(e))
+        except KeyboardInterrupt:
+            typer.echo("interrupted: rows written so far are kept", err=True)
+            raise typer.Exit(code=130) from None
+    return wrapper
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """'1,2,4' or '1-4' -> list of ints (UserError on junk)."""
+    out = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part[1:]:
+                lo, hi = part.split("-", 1)
+                out.extend(range(int(lo), int(hi) + 1))
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        raise UserError(f"{what}: cannot read {text!r} as a list of integers") from None
+    if not out:
+        raise UserError(f"{what}: empty list")
+    return out
+
+
+@app.command()
+@user_errors
+def env(json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the facts to this JSON file.")):
+    """GPU(s), driver, CUDA, torch, triton, NCCL, clocks, memory and interconnect."""
+    from ddbench.envinfo import run
+
+    run(json_out)
+
+
+@app.command()
+@user_errors
+def pack(
+    preset: str = PRESET,
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: each expert's intermediate dim is split tp ways."),
+    rank: int = typer.Option(0, "--rank", help="Which TP rank's shard to repack."),
+    layers: str = typer.Option("1", "--layers", help="MoE layers: '1', '1-3', '1,5' or 'all'."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="INT4 group size (default: the preset's, 32)."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
+    verify: bool = typer.Option(False, "--verify", help="Unpack everything and compare with the logical weights."),
+    save_checkpoint: bool = typer.Option(False, "--save-checkpoint",
+                                         help="Also write the compressed-tensors checkpoint tensors (K2.6 names)."),
+    seed: int = SEED, out: Path = OUT,
+    override: Optional[List[str]] = OVERRIDE,
+):
+    """Build random-but-valid K2.6-shaped INT4 routed-expert weights and repack them to Marlin.
+
+    logical int4 + group scales -> compressed-tensors checkpoint tensors -> Marlin layout
+    (w13 gate|up fused, w2), written as safetensors with a manifest of shapes, bytes,
+    seed and checksums.
+    """
+    from ddbench.pack import run
+
+    run(preset=preset, tp=tp, rank=rank, layers=layers, group_size=group_size, device=device,
+        verify=verify, save_checkpoint=save_checkpoint, seed=seed, out=out, override=override)
+
+
+@app.command()
+@user_errors
+def report(
+    paths: Optional[List[Path]] = typer.Argument(None, help="Result CSVs or folders (default: results/)."),
+    out: Path = typer.Option(Path("results/report"), "--out", help="Folder for plots and report.md."),
+    fmt: str = typer.Option("png", "--format", help="Plot format: png or svg."),
+):
+    """Find result CSVs, draw every plot ddbench knows for them, and write report.md."""
+    from ddbench.report import run
+
+    run(paths or [Path("results")], out, fmt)
+
+
+# Subcommands added by later routines register below, one block each.
+# --- moe-sweep ---
+# --- allreduce ---
+# --- tree-bench ---
+# --- baseline ---
+# --- decode ---
+# --- e2e ---
+
+
+def main():
+    app(prog_name="ddbench")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""`ddbench pack`: random-but-valid K2.6-shaped INT4 expert weights, repacked to Marlin.
+
+Per MoE layer: logical int4 nibbles + group scales for every expert's gate/up/down
+(full experts, as a checkpoint holds them) -> compressed-tensors tensors with K2.6's
+names -> the rank's Marlin shard (`kernels.marlin.repack_moe`). Experts are processed in
+chunks so a whole K2.6 layer fits in a CPU's memory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from ddbench import UserError
+from ddbench.results import atomic_write_text, ensure_out_dir, run_metadata, timestamp
+from engine.config import ModelConfig, parse_overrides, preset as make_preset
+from kernels import ctensors, marlin, quant
+
+EXPERT_CHUNK = 16
+
+
+def parse_layers(text: str, cfg: ModelConfig) -> list[int]:
+    from ddbench.cli import parse_int_list
+
+    layers = list(cfg.moe_layers) if text == "all" else parse_int_list(text, "--layers")
+    bad = [x for x in layers if x not in cfg.moe_layers]
+    if bad:
+        raise UserError(f"--layers {bad} are not MoE layers of this preset "
+                        f"({cfg.moe_layers.start}..{cfg.moe_layers.stop - 1})")
+    return layers
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r}: choose cpu, cuda or auto")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda but no CUDA device is available")
+    return torch.device(device)
+
+
+def random_experts(cfg: ModelConfig, layer: int, experts: range, seed: int, device) -> dict:
+    """Full (unsharded) logical experts for `experts` of `layer`: q uint8 and bf16 scales.
+
+    Each linear's scales give its dequantized weight std 1/sqrt(fan_in) (see
+    `kernels.quant.random_int4`); down_proj gets an extra 1/sqrt(top_k) so the sum over
+    the routed experts keeps the residual stream's scale. Reproducible per (seed, layer,
+    expert chunk) on one kind of device.
+    """
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer * 4099 + experts.start)
+    e, h, i = len(experts), cfg.hidden, cfg.moe_inter
+    out = {}
+    for name, shape, gain in [("gate_proj", (e, i, h), 1.0), ("up_proj", (e, i, h), 1.0),
+                              ("down_proj", (e, h, i), cfg.top_k ** -0.5)]:
+        out[name] = quant.random_int4(shape, cfg.group_size, gain=gain, generator=g, device=device)
+    return out
+
+
+def checkpoint_tensors(layer: int, experts: range, logical: dict) -> dict[str, torch.Tensor]:
+    """K2.6 compressed-tensors names for one chunk of experts."""
+    out = {}
+    for name, (q, s) in logical.items():
+        for j, e in enumerate(experts):
+            for key, t in ctensors.to_checkpoint(q[j], s[j]).items():
+                out[f"model.layers.{layer}.mlp.experts.{e}.{name}.{key}"] = t
+    return out
+
+
+def stacked_checkpoint(logical: dict) -> dict[str, dict]:
+    """Checkpoint dicts with a leading expert dim, as `marlin.repack_moe` takes them."""
+    return {name: {"weight_packed": ctensors.pack_nibbles(q), "weight_scale": s}
+            for name, (q, s) in logical.items()}
+
+
+def verify_chunk(cfg: ModelConfig, logical: dict, packed: dict) -> None:
+    """Unpack the Marlin shard and compare with the logical weights, bit for bit."""
+    i0, i1 = cfg.rank * cfg.moe_inter_local, (cfg.rank + 1) * cfg.moe_inter_local
+    g0, g1 = i0 // cfg.group_size, i1 // cfg.group_size
+    qg, sg = logical["gate_proj"]
+    qu, su = logical["up_proj"]
+    qd, sd = logical["down_proj"]
+    want13 = torch.cat([qg[:, i0:i1], qu[:, i0:i1]], 1).transpose(1, 2)
+    want13_s = torch.cat([sg[:, i0:i1], su[:, i0:i1]], 1).transpose(1, 2)
+    checks = [
+        ("w13", marlin.unpack(packed["w13"], cfg.hidden, 2 * cfg.moe_inter_local), want13),
+        ("w13_scale", marlin.unpermute_scales(packed["w13_scale"], cfg.group_size), want13_s),
+        ("w2", marlin.unpack(packed["w2"], cfg.moe_inter_local, cfg.hidden), qd[:, :, i0:i1].transpose(1, 2)),
+        ("w2_scale", marlin.unpermute_scales(packed["w2_scale"], cfg.group_size), sd[:, :, g0:g1].transpose(1, 2)),
+    ]
+    for name, got, want in checks:
+        if not torch.equal(got, want.to(got.dtype)):
+            raise RuntimeError(f"verify failed: {name} does not round-trip")
+
+
+def checksum(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def run(*, preset: str, tp: int, rank: int, layers: str, group_size: int | None, device: str,
+        verify: bool, save_checkpoint: bool, seed: int, out: Path, override: list[str] | None) -> Path:
+    from safetensors.torch import save_file
+
+    fields = parse_overrides(override)
+    if group_size is not None:
+        fields["group_size"] = group_size
+    cfg = make_preset(preset, tp=tp, rank=rank, **fields)
+    cfg.check_marlin()
+    if (cfg.moe_inter_local * rank) % cfg.group_size:
+        raise UserError(f"rank shard start {cfg.moe_inter_local * rank} breaks group size {cfg.group_size}")
+    layer_ids = parse_layers(layers, cfg)
+    dev = pick_device(device)
+    out_dir = ensure_out_dir(out) / f"pack_{cfg.name}_tp{tp}_r{rank}_{timestamp()}"
+    out_dir.mkdir()
+    manifest = run_metadata("pack", preset=cfg.name, tp=tp, rank=rank, seed=seed, device=str(dev),
+                            group_size=cfg.group_size, config=cfg.to_dict(), layers={})
+    chunks = [range(e, min(e + EXPERT_CHUNK, cfg.n_experts)) for e in range(0, cfg.n_experts, EXPERT_CHUNK)]
+    with Progress() as progress:
+        task = progress.add_task("packing", total=len(layer_ids) * len(chunks))
+        for layer in layer_ids:
+            progress.update(task, description=f"layer {layer}")
+            tensors, ckpt, t_gen, t_pack, t_verify = {}, {}, 0.0, 0.0, 0.0
+            prefix = f"model.layers.{layer}.mlp.experts"
+            for experts in chunks:
+                t0 = time.perf_counter()
+                logical = random_experts(cfg, layer, experts, seed, dev)
+                _sync(dev)
+                t1 = time.perf_counter()
+                packed = marlin.repack_moe(*stacked_checkpoint(logical).values(), tp=tp, rank=rank,
+                                           group_size=cfg.group_size)
+                _sync(dev)
+                t2 = time.perf_counter()
+                if verify:
+                    verify_chunk(cfg, logical, packed)
+                    _sync(dev)
+                t_gen, t_pack, t_verify = t_gen + t1 - t0, t_pack + t2 - t1, t_verify + time.perf_counter() - t2
+                if save_checkpoint:
+                    ckpt.update({k: v.cpu() for k, v in checkpoint_tensors(layer, experts, logical).items()})
+                for k, v in packed.items():  # one preallocated host tensor per name, filled chunk by chunk
+                    if f"{prefix}.{k}" not in tensors:
+                        tensors[f"{prefix}.{k}"] = torch.empty((cfg.n_experts, *v.shape[1:]), dtype=v.dtype)
+                    tensors[f"{prefix}.{k}"][experts.start:experts.stop] = v.cpu()
+                progress.advance(task)
+            t0 = time.perf_counter()
+            _save_atomic(save_file, tensors, out_dir / f"layer{layer:02d}.marlin.safetensors")
+            if save_checkpoint:
+                _save_atomic(save_file, ckpt, out_dir / f"layer{layer:02d}.checkpoint.safetensors")
+            manifest["layers"][str(layer)] = {
+                "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""),
+                                "bytes": v.numel() * v.element_size(), "sha256_16": checksum(v)}
+                            for k, v in tensors.items()},
+                "generate_s": round(t_gen, 3), "pack_s": round(t_pack, 3),
+                "verify_s": round(t_verify, 3) if verify else None, "verified": verify,
+                "write_s": round(time.perf_counter() - t0, 3),
+            }
+            atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
+    total = sum(t["bytes"] for L in manifest["layers"].values() for t in L["tensors"].values())
+    pack_s = sum(L["pack_s"] for L in manifest["layers"].values())
+    print(f"wrote {out_dir} ({len(layer_ids)} layer(s), {total / 1e9:.2f} GB Marlin; "
+          f"pack {pack_s:.2f} s on {dev}{'; verified bit-exact' if verify else ''})")
+    return out_dir
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _save_atomic(save_file, tensors: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    tmp.replace(path)
