@@ -18,7 +18,15 @@ from ddbench import UserError  # noqa: E402
 from ddbench.results import atomic_write_text, ensure_out_dir, read_results  # noqa: E402
 
 # kind -> module that defines plot(); routines register here
-PLOTTERS: dict[str, str] = {}
+PLOTTERS: dict[str, str] = {
+    "moe_sweep": "ddbench.moe_sweep",
+    "allreduce": "ddbench.allreduce",
+    "tree_bench": "ddbench.tree_bench",
+    "baseline": "ddbench.baseline",
+    "baseline_requests": "ddbench.baseline",
+    "decode": "ddbench.decode",
+    "e2e": "ddbench.e2e",
+}
 
 
 def load(paths) -> dict[str, list]:
@@ -58,7 +66,8 @@ def run(paths, out: Path, fmt: str = "png") -> Path:
         if module is None or module in drawn:
             continue
         drawn.add(module)
-        for title, path in importlib.import_module(module).plot(results, out, fmt):
+        plot = getattr(importlib.import_module(module), "plot", None)
+        for title, path in (plot(results, out, fmt) if plot else []):
             lines += [f"## {title}", "", f"![{title}]({Path(path).name})", ""]
     report = out / "report.md"
     atomic_write_text(report, "\n".join(lines) + "\n")
