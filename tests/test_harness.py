@@ -1,0 +1,53 @@
+"""Results writing and host timing."""
+import json
+
+import pytest
+
+from ddbench import UserError
+from ddbench.results import ResultWriter, read_results
+from ddbench.timing import bench, summarize
+
+
+def test_result_writer_flushes_rows_and_sidecar(tmp_path):
+    with ResultWriter(tmp_path, "demo", name="r1") as w:
+        w.write({"tokens": 1, "time_us": 2.5})
+        assert (tmp_path / "r1.csv.partial").read_text().count("\n") == 2  # header + row on disk already
+        w.write({"tokens": 2, "time_us": 3.5})
+    assert (tmp_path / "r1.csv").read_text().splitlines() == ["tokens,time_us", "1,2.5", "2,3.5"]
+    meta = json.loads((tmp_path / "r1.json").read_text())
+    assert meta["kind"] == "demo" and meta["completed"] is True and meta["rows"] == 2
+    assert "command" in meta and "started_at" in meta
+    [(path, m)] = read_results([tmp_path])
+    assert path.name == "r1.csv" and m["kind"] == "demo"
+    with pytest.raises(UserError, match="exists"):
+        ResultWriter(tmp_path, "demo", name="r1")
+
+
+def test_result_writer_keeps_rows_on_interrupt(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        with ResultWriter(tmp_path, "demo", name="r2") as w:
+            w.write({"a": 1})
+            raise KeyboardInterrupt
+    assert (tmp_path / "r2.csv").read_text().splitlines() == ["a", "1"]
+    meta = json.loads((tmp_path / "r2.json").read_text())
+    assert meta["completed"] is False and "KeyboardInterrupt" in meta["error"]
+
+
+def test_append_adds_to_existing(tmp_path):
+    with ResultWriter(tmp_path, "demo", name="r3") as w:
+        w.write({"a": 1, "b": 2})
+    with ResultWriter(tmp_path, "demo", name="r3", append=True) as w:
+        w.write({"b": 4, "a": 3})
+    assert (tmp_path / "r3.csv").read_text().splitlines() == ["a,b", "1,2", "3,4"]
+
+
+def test_summarize_quantiles():
+    s = summarize([float(x) for x in range(1, 101)])
+    assert s.median_us == 50.5
+    assert s.p20_us == pytest.approx(20.8) and s.p80_us == pytest.approx(80.2)
+
+
+def test_cpu_bench_counts_calls():
+    calls = []
+    st = bench(lambda: calls.append(1), warmup=2, reps=5)
+    assert len(calls) == 7 and st.n == 5 and st.median_us >= 0
