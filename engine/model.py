@@ -1,0 +1,261 @@
+"""Kimi K2.6 (DeepSeek-V3 architecture): MLA + MoE transformer, tensor parallel.
+
+Reads top to bottom: RMSNorm -> MLA (absorbed) -> MLP / MoE -> Block -> Transformer.
+
+`Transformer.forward` takes any set of new tokens per stream with their positions and a
+visibility mask among them (causal for prefill, one token for decode, ancestor-only for a
+DDTree verify), writes their latent KV to the cache after each stream's prefix, and
+returns full-vocab fp32 logits for every new token. It never advances `prefix_len`.
+
+Weights are allocated uninitialised; `engine.weights` fills them (random init or a
+checkpoint), sharded for `comm`'s rank. BF16 everywhere except the routed experts, which
+are INT4 in Marlin layout and run through `kernels.moe.fused_moe`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ConfigError, ModelConfig
+from engine.kv_cache import KVCache
+from engine.parallel import (ColumnParallelLinear, Comm, Linear, LocalComm, ParallelLMHead,
+                             RowParallelLinear, VocabParallelEmbedding)
+from engine.phases import phase
+from engine.rope import apply_rope, rope_cos_sin, yarn_freqs
+from kernels.moe import MarlinMoE, fused_moe, route
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype), requires_grad=False)
+
+    def forward(self, x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def _attention_fn(backend: str):
+    if backend == "torch":
+        from kernels.mla_attn import mla_attention_ref
+        return mla_attention_ref
+    if backend == "triton":
+        from kernels import mla_attn
+        if not hasattr(mla_attn, "mla_attention"):
+            raise ConfigError("attn_backend='triton' but kernels.mla_attn has no mla_attention yet")
+        return mla_attn.mla_attention
+    raise ConfigError(f"unknown attention backend {backend!r}; choose torch or triton")
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention, absorbed form (DeepSeek-V3), heads split over TP ranks.
+
+    q = wq_b(q_norm(wq_a x)) split into nope/rope parts; the nope part is absorbed through
+    wkv_b's key rows into the kv latent, so attention runs against the cached latent
+    (kv_lora_rank) + roped shared key (qk_rope_dim); the latent output goes through
+    wkv_b's value rows and wo (row parallel: all-reduce).
+    """
+
+    def __init__(self, cfg: ModelConfig, comm: Comm, layer: int, attn_backend: str, device, dtype):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h, nh = cfg.hidden, cfg.n_heads
+        self.wq_a = Linear(h, cfg.q_lora_rank, device, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device, dtype)
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, nh * cfg.qk_head_dim, comm, device, dtype)
+        self.wkv_a = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_dim, device, dtype)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, device, dtype)
+        self.wkv_b = ColumnParallelLinear(cfg.kv_lora_rank, nh * (cfg.qk_nope_dim + cfg.v_head_dim), comm,
+                                          device, dtype)
+        self.wo = RowParallelLinear(nh * cfg.v_head_dim, h, comm, device, dtype)
+        self.attend = _attention_fn(attn_backend)
+
+    def forward(self, x, cos, sin, cache: KVCache, prefix_len, visible):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        nh, dn, dr, dv, lat = cfg.n_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(b, t, nh, dn + dr)     # [B, T, nh, Dn+Dr]
+        q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
+        q_pe = apply_rope(q_pe, cos, sin)
+        kv = self.wkv_a(x)                                                      # [B, T, L+Dr]
+        ckv, kpe = kv.split([lat, dr], dim=-1)                                  # [B, T, L], [B, T, Dr]
+        cache.write(self.layer, prefix_len, self.kv_norm(ckv), apply_rope(kpe, cos, sin))
+        wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]
+        q_lat = torch.einsum("bthd,hdl->bthl", q_nope, wkv_b[:, :dn])          # [B, T, nh, L]
+        o_lat = self.attend(q_lat, q_pe.to(q_lat.dtype), cache.ckv[self.layer], cache.kpe[self.layer],
+                            prefix_len, visible, cfg.softmax_scale)             # [B, T, nh, L]
+        o = torch.einsum("bthl,hdl->bthd", o_lat.to(x.dtype), wkv_b[:, dn:])   # [B, T, nh, Dv]
+        return self.wo(o.reshape(b, t, nh * dv))                                # [B, T, H]
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP, intermediate dim split over ranks: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, hidden: int, inter: int, comm: Comm, device, dtype):
+        super().__init__()
+        self.w1 = ColumnParallelLinear(hidden, inter, comm, device, dtype)
+        self.w3 = ColumnParallelLinear(hidden, inter, comm, device, dtype)
+        self.w2 = RowParallelLinear(inter, hidden, comm, device, dtype)
+
+    def forward(self, x, reduce: bool = True):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x), reduce=reduce)
+
+
+class MoE(nn.Module):
+    """K2.6 MoE: sigmoid router with selection bias (replicated), routed INT4 experts
+    (intermediate dim split over ranks, Marlin layout) and one shared expert; the routed
+    and shared partial sums share one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, comm: Comm, moe_backend: str, device, dtype):
+        super().__init__()
+        self.cfg, self.comm, self.backend = cfg, comm, moe_backend
+        e, h, i, g = cfg.n_experts, cfg.hidden, cfg.moe_inter_local, cfg.group_size
+        self.gate = nn.Parameter(torch.empty(e, h, device=device, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(e, device=device, dtype=torch.float32), requires_grad=False)
+        self.shared = MLP(h, cfg.moe_inter * cfg.n_shared_experts, comm, device, dtype)
+        # Marlin shards (kernels.moe.MarlinMoE), filled by engine.weights
+        self.register_buffer("w13", torch.empty(e, h // 16, 4 * i, device=device, dtype=torch.int32))
+        self.register_buffer("w13_scale", torch.empty(e, h // g, 2 * i, device=device, dtype=torch.bfloat16))
+        self.register_buffer("w2", torch.empty(e, i // 16, 2 * h, device=device, dtype=torch.int32))
+        self.register_buffer("w2_scale", torch.empty(e, i // g, h, device=device, dtype=torch.bfloat16))
+
+    def experts(self) -> MarlinMoE:
+        return MarlinMoE(self.w13, self.w13_scale, self.w2, self.w2_scale, self.cfg.group_size)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        xf = x.reshape(b * t, h)                                               # [N, H]
+        with phase("moe"):
+            ids, w = route(xf, self.gate, self.bias, self.cfg.top_k, self.cfg.routed_scaling)  # [N, k]
+            y = fused_moe(xf, ids, w, self.experts(), self.backend)            # [N, H] partial
+        with phase("mlp"):
+            y = y + self.shared(xf, reduce=False)
+        return self.comm.all_reduce(y).view(b, t, h)                          # [B, T, H]
+
+
+class Block(nn.Module):
+    """Pre-norm block: h += attn(norm(h)); h += ffn(norm(h)), ffn dense (layer 0) or MoE."""
+
+    def __init__(self, cfg: ModelConfig, comm: Comm, layer: int, moe_backend, attn_backend, device, dtype):
+        super().__init__()
+        self.dense = layer < cfg.n_dense_layers
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
+        self.attn = MLA(cfg, comm, layer, attn_backend, device, dtype)
+        self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
+        self.ffn = (MLP(cfg.hidden, cfg.dense_inter, comm, device, dtype) if self.dense
+                    else MoE(cfg, comm, moe_backend, device, dtype))
+
+    def forward(self, h, cos, sin, cache, prefix_len, visible):
+        with phase("attention"):
+            h = h + self.attn(self.attn_norm(h), cos, sin, cache, prefix_len, visible)
+        if self.dense:
+            with phase("mlp"):
+                return h + self.ffn(self.ffn_norm(h))
+        with phase("mlp"):
+            x = self.ffn_norm(h)
+        return h + self.ffn(x)
+
+
+class Transformer(nn.Module):
+    """The K2.6 target model (one TP rank's shard when comm.tp > 1)."""
+
+    def __init__(self, cfg: ModelConfig, comm: Comm | None = None, moe_backend: str = "torch",
+                 attn_backend: str = "torch", device=None, dtype=torch.bfloat16):
+        super().__init__()
+        comm = comm or LocalComm()
+        if (comm.tp, comm.rank) != (cfg.tp, cfg.rank):
+            raise ConfigError(f"config is rank {cfg.rank} of tp={cfg.tp} but comm is rank {comm.rank} "
+                              f"of {comm.tp}")
+        if moe_backend not in ("torch", "triton"):
+            raise ConfigError(f"unknown MoE backend {moe_backend!r}; choose torch or triton")
+        cfg.check_marlin()
+        self.cfg, self.comm, self.dtype = cfg, comm, dtype
+        self.moe_backend, self.attn_backend = moe_backend, attn_backend
+        self.tok_embed = VocabParallelEmbedding(cfg.vocab, cfg.hidden, comm, device, dtype)
+        self.layers = nn.ModuleList(Block(cfg, comm, i, moe_backend, attn_backend, device, dtype)
+                                    for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
+        self.head = ParallelLMHead(cfg.hidden, cfg.vocab, comm, device, dtype)
+        self.register_buffer("freqs", yarn_freqs(cfg).to(device), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens long `[B, T]` -> hidden `[B, T, H]` (vocab-parallel lookup)."""
+        return self.tok_embed(tokens)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden `[.., H]` -> full-vocab fp32 logits `[.., vocab]`: final norm + lm_head + gather."""
+        with phase("lm_head"):
+            return self.head(self.norm(h))
+
+    def forward(self, tokens, positions, cache: KVCache, prefix_len, visible, hidden_layers=()):
+        """Run T new tokens per stream.
+
+        tokens long `[B, T]`, positions long `[B, T]` (rope positions), prefix_len int `[B]`
+        (cached tokens per stream; new token j is written at prefix_len[b] + j), visible bool
+        `[B, T, T]` (new token i sees new token j). Returns (logits fp32 `[B, T, vocab]`,
+        hiddens `[B, T, len(hidden_layers), H]` or None): hidden of layer i is the residual
+        stream after block i.
+        """
+        h = self.embed(tokens)                                                  # [B, T, H]
+        cos, sin = rope_cos_sin(positions, self.freqs)                         # [B, T, Dr/2] each
+        keep = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache, prefix_len, visible)
+            if i in hidden_layers:
+                keep[i] = h
+        hiddens = torch.stack([keep[i] for i in hidden_layers], dim=2) if hidden_layers else None  # [B, T, n, H]
+        return self.logits(h), hiddens
+
+    def new_cache(self, n_streams: int, max_len: int, dtype=None) -> KVCache:
+        """A KV cache for this model on its device."""
+        return KVCache(self.cfg, n_streams, max_len, self.device, dtype or self.dtype)
+
+    def hf_weights(self) -> dict[str, tuple[torch.Tensor, int | None]]:
+        """Every dense tensor by its Hugging Face DeepSeek-V3 name -> (local shard, split dim).
+
+        Split dim is the dim of the full tensor that is divided over TP ranks (None:
+        replicated). Routed experts are not listed: see `MoE.w13` etc. and engine.weights.
+        """
+        out = {"model.embed_tokens.weight": (self.tok_embed.weight, 0),
+               "model.norm.weight": (self.norm.weight, None),
+               "lm_head.weight": (self.head.weight, 0)}
+        for i, blk in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = blk.attn
+            out.update({
+                p + "input_layernorm.weight": (blk.attn_norm.weight, None),
+                p + "post_attention_layernorm.weight": (blk.ffn_norm.weight, None),
+                p + "self_attn.q_a_proj.weight": (a.wq_a.weight, None),
+                p + "self_attn.q_a_layernorm.weight": (a.q_norm.weight, None),
+                p + "self_attn.q_b_proj.weight": (a.wq_b.weight, 0),
+                p + "self_attn.kv_a_proj_with_mqa.weight": (a.wkv_a.weight, None),
+                p + "self_attn.kv_a_layernorm.weight": (a.kv_norm.weight, None),
+                p + "self_attn.kv_b_proj.weight": (a.wkv_b.weight, 0),
+                p + "self_attn.o_proj.weight": (a.wo.weight, 1),
+            })
+            mlp = blk.ffn if blk.dense else blk.ffn.shared
+            q = p + ("mlp." if blk.dense else "mlp.shared_experts.")
+            out.update({q + "gate_proj.weight": (mlp.w1.weight, 0), q + "up_proj.weight": (mlp.w3.weight, 0),
+                        q + "down_proj.weight": (mlp.w2.weight, 1)})
+            if not blk.dense:
+                out[p + "mlp.gate.weight"] = (blk.ffn.gate, None)
+                out[p + "mlp.gate.e_score_correction_bias"] = (blk.ffn.bias, None)
+        return out
+
+    def moe_blocks(self) -> dict[int, MoE]:
+        """Layer index -> its MoE module."""
+        return {i: blk.ffn for i, blk in enumerate(self.layers) if not blk.dense}
+
+
+def causal_visible(b: int, t: int, device=None) -> torch.Tensor:
+    """bool `[B, T, T]`: new token i sees new tokens j <= i."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
