@@ -1,0 +1,373 @@
+"""`ddbench baseline`: the streaming client against a local test server with a known schedule.
+
+The server (tests/stream_server.py, 127.0.0.1, free port) streams tokens at known times, so
+every metric has an exact expected value; tolerances cover loopback and scheduling overhead.
+"""
+import asyncio
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ddbench import UserError
+from ddbench import baseline as bl
+from ddbench.report import load
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stream_server import Schedule, TestServer, free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+REL = 0.05  # "within a few percent"
+
+
+def rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def num(x):
+    return None if x in ("", None) else float(x)
+
+
+def measure(server, api, **kw):
+    args = dict(url=server.url, api=api, concurrency=[4], num_prompts=8, input_len=16, output_len=17,
+                timeout=10.0, quiet=True)
+    args.update(kw)
+    args.setdefault("warmup", max(args["concurrency"]))  # opens every connection before measuring
+    summary, requests = bl.run(**args)
+    return rows(summary), rows(requests), summary, requests
+
+
+def test_sglang_multi_token_events_match_schedule(tmp_path):
+    # first event 1 token after 100 ms, then 4 tokens every 20 ms: 17 tokens = 1 + 4 x 4
+    sch = Schedule(ttft_s=0.10, gap_s=0.02, first=1, per_event=4)
+    with TestServer(sch) as s:
+        [row], reqs, summary, requests = measure(s, "sglang", out=tmp_path)
+        body = s.bodies[-1]
+    assert s.max_in_flight == 4
+    assert isinstance(body["input_ids"], list) and len(body["input_ids"]) == 16
+    assert body["sampling_params"]["max_new_tokens"] == 17 and body["sampling_params"]["ignore_eos"] is True
+    assert body["stream"] is True
+
+    assert row["completed"] == "8" and row["failed"] == "0" and row["source"] == "measured"
+    assert num(row["total_output_tokens"]) == 8 * 17 and num(row["total_input_tokens"]) == 8 * 16
+    assert num(row["median_ttft_ms"]) == pytest.approx(100, rel=REL)
+    assert num(row["median_tpot_ms"]) == pytest.approx(4 * 20 / 16, rel=REL)  # (latency - ttft)/(out - 1)
+    assert num(row["median_itl_ms"]) == pytest.approx(20 / 4, rel=REL)  # each 4-token gap split 4 ways
+    assert num(row["mean_itl_ms"]) == pytest.approx(20 / 4, rel=REL)
+    assert num(row["median_e2e_latency_ms"]) == pytest.approx(100 + 4 * 20, rel=REL)
+    assert num(row["accept_length"]) == pytest.approx(17 / 4)  # completion / verify rounds, exact
+    assert num(row["spec_verify_ct"]) == 8 * 4
+    # two waves of 4 requests of 180 ms each
+    assert num(row["output_tok_per_s"]) == pytest.approx(8 * 17 / (2 * 0.18), rel=2 * REL)
+    assert num(row["req_per_s"]) == pytest.approx(8 / (2 * 0.18), rel=2 * REL)
+    assert num(row["measured_concurrency"]) == pytest.approx(4, rel=2 * REL)
+    assert num(row["total_tok_per_s"]) == pytest.approx(
+        num(row["output_tok_per_s"]) + num(row["input_tok_per_s"]))
+
+    assert len(reqs) == 8 and {r["ok"] for r in reqs} == {"1"}
+    assert sorted(int(r["index"]) for r in reqs) == list(range(8))
+    assert all(r["completion_tokens"] == "17" and num(r["accept_length"]) == 4.25 for r in reqs)
+    assert all(r["events"] == "5" and num(r["server_e2e_latency_ms"]) > 0 for r in reqs)
+
+    meta = json.loads(summary.with_suffix(".json").read_text())
+    assert meta["kind"] == "baseline" and meta["completed"] is True and meta["api"] == "sglang"
+    assert meta["server_info"]["/get_server_info"]["model_path"] == "test/model"
+    assert meta["server_avg_spec_accept_length_after"] == 3.0
+    assert meta["requests_csv"] == requests.name
+    assert json.loads(requests.with_suffix(".json").read_text())["kind"] == "baseline_requests"
+
+
+def test_openai_single_token_chunks_with_usage(tmp_path):
+    sch = Schedule(ttft_s=0.10, gap_s=0.02, usage="continuous")
+    with TestServer(sch) as s:
+        [row], reqs, *_ = measure(s, "openai", concurrency=[3], num_prompts=6, output_len=12,
+                                  out=tmp_path)
+        body = s.bodies[-1]
+    assert body["model"] == "test-model" and body["max_tokens"] == 12 and body["ignore_eos"] is True
+    assert body["stream"] is True and len(body["prompt"].split()) == 16
+    assert s.max_in_flight == 3
+    assert row["completed"] == "6" and num(row["total_output_tokens"]) == 6 * 12
+    assert num(row["median_ttft_ms"]) == pytest.approx(100, rel=REL)
+    assert num(row["median_tpot_ms"]) == pytest.approx(20, rel=REL)
+    assert num(row["median_itl_ms"]) == pytest.approx(20, rel=REL)
+    assert num(row["p90_itl_ms"]) == pytest.approx(20, rel=REL)
+    assert num(row["median_e2e_latency_ms"]) == pytest.approx(100 + 11 * 20, rel=REL)
+    assert num(row["output_tok_per_s"]) == pytest.approx(6 * 12 / (2 * 0.32), rel=2 * REL)
+    assert row["accept_length"] == ""  # no verify counts on this API
+    assert all(r["tokens_from"] == "server" and r["prompt_tokens"] == "16" for r in reqs)
+
+
+@pytest.mark.parametrize("usage,tokens_from", [("final", "server"), ("none", "requested")])
+def test_openai_multi_token_chunks_without_per_chunk_usage(usage, tokens_from):
+    # 3 tokens per event, counts only at the end (or never): gaps split by the mean tokens/event
+    sch = Schedule(ttft_s=0.05, gap_s=0.03, first=3, per_event=3, usage=usage)
+    prompts = bl.make_prompts("random", 4, 8, 12, "openai")
+
+    async def go():
+        async with httpx.AsyncClient(timeout=5) as client:
+            return await bl.run_level(client, "openai", s.url, prompts, 2, 5.0, "m")
+
+    with TestServer(sch) as s:
+        outs, wall = asyncio.run(go())
+    row = bl.summarize(outs, wall)
+    assert row["completed"] == 4 and row["total_output_tokens"] == 4 * 12
+    assert all(o.tokens_from == tokens_from and o.events == 4 for o in outs)
+    assert row["median_itl_ms"] == pytest.approx(30 / 3, rel=REL)
+    assert row["median_tpot_ms"] == pytest.approx(3 * 30 / 11, rel=REL)
+
+
+def test_exactly_n_in_flight():
+    sch = Schedule(ttft_s=0.02, gap_s=0.01)
+    prompts = bl.make_prompts("random", 10, 4, 4, "sglang")
+
+    async def go(n, ps):
+        async with httpx.AsyncClient(timeout=5) as client:
+            return await bl.run_level(client, "sglang", s.url, ps, n, 5.0)
+
+    with TestServer(sch) as s:
+        for n, ps, expect in ((1, prompts[:4], 1), (5, prompts, 5), (8, prompts[:3], 3)):
+            s.reset_stats()
+            outs, wall = asyncio.run(go(n, ps))
+            assert s.max_in_flight == expect and s.arrivals == len(ps)
+            assert all(o.ok for o in outs)
+            if n == 5:  # two full waves: the pool stays at 5 the whole time
+                assert bl.summarize(outs, wall)["measured_concurrency"] == pytest.approx(5, rel=0.1)
+
+
+def test_errors_are_counted_and_the_run_finishes(tmp_path):
+    faults = {2: "http500", 4: "reset", 6: "malformed", 8: "hang"}
+    sch = Schedule(ttft_s=0.03, gap_s=0.01, faults=faults, hang_s=1.5)
+    with TestServer(sch) as s:
+        t0 = time.perf_counter()
+        [row], reqs, *_ = measure(s, "sglang", concurrency=[3], num_prompts=10, output_len=6,
+                                  warmup=0, timeout=0.6, out=tmp_path)
+        elapsed = time.perf_counter() - t0
+    assert elapsed < 8
+    assert row["completed"] == "6" and row["failed"] == "4"
+    assert num(row["total_output_tokens"]) == 6 * 6  # failed requests add no tokens
+    assert len(reqs) == 10 and sorted(int(r["index"]) for r in reqs) == list(range(10))
+    bad = sorted(r["error"] for r in reqs if r["ok"] == "0")
+    assert len(bad) == 4
+    assert any(e.startswith("HTTP 500") for e in bad)
+    assert any(e.startswith("connection error") for e in bad)
+    assert any(e.startswith("malformed event") for e in bad)
+    assert any(e.startswith("timeout after 0.6") for e in bad)
+    good = [r for r in reqs if r["ok"] == "1"]
+    assert all(r["error"] == "" and r["completion_tokens"] == "6" for r in good)
+
+
+def test_stream_without_done_or_tokens_is_an_error():
+    o = bl.Outcome(index=0, output_len=4)
+    with pytest.raises(bl.StreamError, match="malformed"):
+        bl._on_sglang_event(o, {"text": "x"}, 1.0)
+    with pytest.raises(bl.StreamError, match="abort"):
+        bl._on_sglang_event(o, {"meta_info": {"completion_tokens": 0,
+                                              "finish_reason": {"type": "abort", "message": "oom"}}}, 1.0)
+    with pytest.raises(bl.StreamError, match="choices"):
+        bl._on_openai_event(o, {"usage": None}, 1.0)
+
+
+def test_summary_maths_on_hand_made_outcomes():
+    a = bl.Outcome(index=0, output_len=5, ok=True, completion_tokens=5, ttft=0.1, latency=0.5,
+                   itl=[0.1] * 4, spec_verify_ct=2, prompt_tokens=10)
+    b = bl.Outcome(index=1, output_len=5, ok=True, completion_tokens=3, ttft=0.3, latency=0.7,
+                   itl=[0.2, 0.2], spec_verify_ct=2, prompt_tokens=10)
+    c = bl.Outcome(index=2, output_len=5, error="HTTP 500: x", latency=0.01)
+    r = bl.summarize([a, b, c], wall=2.0)
+    assert (r["completed"], r["failed"], r["num_prompts"]) == (2, 1, 3)
+    assert r["output_tok_per_s"] == 4.0 and r["req_per_s"] == 1.0 and r["total_tok_per_s"] == 14.0
+    assert r["mean_ttft_ms"] == pytest.approx(200) and r["median_e2e_latency_ms"] == pytest.approx(600)
+    assert r["mean_tpot_ms"] == pytest.approx((100 + 200) / 2)  # (0.4/4, 0.4/2)
+    assert r["mean_itl_ms"] == pytest.approx(1000 * (0.4 + 0.4) / 6)
+    assert r["accept_length"] == pytest.approx(8 / 4) and r["spec_verify_ct"] == 4
+    assert r["measured_concurrency"] == pytest.approx(0.6)
+
+
+def cli(*args, timeout=30):
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "ddbench", "baseline", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    return p, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--url", "http://127.0.0.1:{port}", "-c", "0"], "--concurrency must be positive"),
+    (["--url", "http://127.0.0.1:{port}", "-c", "2,-1"], "--concurrency must be positive"),
+    (["--url", "http://127.0.0.1:{port}", "--api", "tgi"], "--api 'tgi'"),
+    (["--url", "127.0.0.1:{port}"], "expected http://HOST:PORT"),
+    (["--api", "sglang"], "--url is required"),
+    (["--url", "http://127.0.0.1:{port}", "--timeout", "3"], "cannot reach"),
+    (["--url", "http://127.0.0.1:{silent}", "--timeout", "1"], "no answer to GET"),
+    (["--import", "/nonexistent/x.jsonl"], "no such file"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, args, msg):
+    port = free_port()
+    with socket.socket() as silent:  # accepts TCP connections (backlog) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        args = [a.format(port=port, silent=silent.getsockname()[1]) for a in args]
+        p, elapsed = cli(*args, "--out", str(tmp_path))
+    assert p.returncode == 2, p.stderr
+    assert msg in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert elapsed < 6  # within the timeout (+ interpreter start)
+    assert not list(tmp_path.glob("*.csv"))
+
+
+def test_failed_warmup_is_a_user_error(tmp_path):
+    with TestServer(Schedule(faults={1: "http500"})) as s:
+        with pytest.raises(UserError, match="warmup"):
+            bl.run(url=s.url, api="sglang", concurrency=[1], num_prompts=2, input_len=4, output_len=4,
+                   out=tmp_path, quiet=True)
+
+
+def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
+    with TestServer(Schedule(ttft_s=0.02, gap_s=0.01)) as s:
+        p, _ = cli("--url", s.url + "/generate", "-c", "1,2", "--num-prompts", "3", "--input-len", "8",
+                   "--output-len", "5", "--label", "local", "--out", str(tmp_path / "a"))
+        assert p.returncode == 0, p.stderr
+        [summary] = (tmp_path / "a").glob("baseline_2*.csv")
+        got = rows(summary)
+        assert [r["concurrency"] for r in got] == ["1", "2"] and {r["label"] for r in got} == {"local"}
+        assert all(r["completed"] == "3" for r in got)
+        [reqs] = (tmp_path / "a").glob("baseline_requests_*.csv")
+        assert len(rows(reqs)) == 6
+
+        # Ctrl-C mid-run: finished requests stay on disk, the sidecar says incomplete
+        s.schedule.gap_s = 0.05
+        proc = subprocess.Popen([sys.executable, "-m", "ddbench", "baseline", "--url", s.url, "-c", "1",
+                                 "--num-prompts", "50", "--input-len", "4", "--output-len", "4",
+                                 "--warmup", "0", "--out", str(tmp_path / "b")], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        partial = []
+        deadline = time.time() + 20
+        while time.time() < deadline and proc.poll() is None:
+            partial = list((tmp_path / "b").glob("baseline_requests_*.csv.partial"))
+            if partial and len(partial[0].read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, err
+    [reqs] = (tmp_path / "b").glob("baseline_requests_*.csv")
+    kept = rows(reqs)
+    assert 2 <= len(kept) < 50 and all(r["ok"] == "1" for r in kept)
+    meta = json.loads(reqs.with_suffix(".json").read_text())
+    assert meta["completed"] is False
+
+
+def test_dataset_file(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hello there world"}\n\n{"input_ids": [5, 6, 7], "output_len": 3}\n"bare"\n')
+    ps = bl.make_prompts(str(f), 5, 99, 8, "sglang")
+    assert [p.prompt for p in ps] == ["hello there world", [5, 6, 7], "bare", "hello there world", [5, 6, 7]]
+    assert [p.output_len for p in ps] == [8, 3, 8, 8, 3] and ps[1].prompt_len == 3
+    f.write_text('{"prompt": ""}\n')
+    with pytest.raises(UserError, match=":1:"):
+        bl.make_prompts(str(f), 1, 1, 1, "sglang")
+    with pytest.raises(UserError, match="no such file"):
+        bl.make_prompts(str(tmp_path / "nope.jsonl"), 1, 1, 1, "sglang")
+    r1, r2 = bl.make_prompts("random", 2, 7, 3, "sglang", seed=1)
+    assert len(r1.prompt) == 7 and r1.prompt != r2.prompt
+    assert all(bl.RANDOM_ID_RANGE[0] <= t < bl.RANDOM_ID_RANGE[1] for t in r1.prompt)
+    assert bl.make_prompts("random", 2, 7, 3, "sglang", seed=1)[0].prompt == r1.prompt
+
+
+def bench_serving_lines():
+    new = {"backend": "sglang", "dataset_name": "random", "request_rate": float("inf"), "max_concurrency": 10,
+           "random_input_len": 1000, "random_output_len": 500, "duration": 20.0, "completed": 40,
+           "total_input_tokens": 40000, "total_output_tokens": 20000, "request_throughput": 2.0,
+           "input_throughput": 2000.0, "output_throughput": 1000.0, "total_throughput": 3000.0,
+           "mean_ttft_ms": 100.0, "median_ttft_ms": 90.0, "p90_ttft_ms": 150.0, "p99_ttft_ms": 200.0,
+           "mean_tpot_ms": 9.0, "median_tpot_ms": 8.5, "p90_tpot_ms": 11.0, "p99_tpot_ms": 12.0,
+           "mean_itl_ms": 9.5, "median_itl_ms": 8.0, "p90_itl_ms": 15.0, "p99_itl_ms": 30.0,
+           "mean_e2e_latency_ms": 4600.0, "median_e2e_latency_ms": 4500.0, "p90_e2e_latency_ms": 5000.0,
+           "p99_e2e_latency_ms": 5500.0, "concurrency": 9.2, "accept_length": 3.1}
+    # an older version: no p90, no total_throughput, with --output-details lists
+    old = {"backend": "sglang-oai", "max_concurrency": None, "concurrency": 1.96, "duration": 2.0,
+           "completed": 3, "total_input_tokens": 30, "total_output_tokens": 12, "request_throughput": 1.5,
+           "input_throughput": 15.0, "output_throughput": 6.0, "mean_ttft_ms": 200.0, "median_ttft_ms": 200.0,
+           "p99_ttft_ms": 300.0, "accept_length": None,
+           "input_lens": [10, 10, 10, 10], "output_lens": [4, 4, 4, 0],
+           "ttfts": [0.1, 0.2, 0.3, 0.0], "itls": [[0.1, 0.1, 0.1], [0.2, 0.2, 0.2], [0.1, 0.1, 0.1], []],
+           "errors": ["", "", "", "Traceback ...\nReadError: reset"]}
+    return [new, old]
+
+
+def test_import_bench_serving(tmp_path):
+    f = tmp_path / "bench.jsonl"
+    f.write_text("\n".join(json.dumps(d) for d in bench_serving_lines()) + "\n")
+    summary, requests = bl.import_bench_serving(f, tmp_path / "out")
+    a, b = rows(summary)
+    assert list(a) == bl.SUMMARY_COLUMNS
+    assert (a["concurrency"], a["source"], a["label"]) == ("10", "import", "bench_serving sglang")
+    assert num(a["output_tok_per_s"]) == 1000 and num(a["p90_itl_ms"]) == 15 and num(a["accept_length"]) == 3.1
+    assert num(a["measured_concurrency"]) == 9.2 and a["failed"] == "" and num(a["total_tok_per_s"]) == 3000
+    assert b["concurrency"] == "2" and b["failed"] == "1" and b["num_prompts"] == "4"
+    assert num(b["total_tok_per_s"]) == pytest.approx(21.0)  # (30 + 12) / 2
+    assert num(b["p90_ttft_ms"]) == pytest.approx(280)  # from the ttfts of the 3 successes
+    assert num(b["p90_itl_ms"]) == pytest.approx(200)
+    req = rows(requests)
+    assert len(req) == 4 and [r["ok"] for r in req] == ["1", "1", "1", "0"]
+    assert req[3]["error"] == "ReadError: reset"
+    assert num(req[1]["e2e_latency_ms"]) == pytest.approx(800) and num(req[1]["tpot_ms"]) == pytest.approx(200)
+    meta = json.loads(summary.with_suffix(".json").read_text())
+    assert meta["kind"] == "baseline" and meta["source"] == "import"
+
+    f.write_text('{"foo": 1}\n')
+    with pytest.raises(UserError, match="not a bench_serving result"):
+        bl.import_bench_serving(f, tmp_path / "out2")
+    p, _ = cli("--import", str(f), "--out", str(tmp_path / "out3"))
+    assert p.returncode == 2 and "bench.jsonl:1" in p.stderr
+
+
+def test_reference_data():
+    ref = ROOT / "results" / "baseline" / "sglang_reference.csv"
+    got = rows(ref)
+    assert list(got[0]) == bl.SUMMARY_COLUMNS
+    assert [(r["concurrency"], num(r["output_tok_per_s"])) for r in got] == [("1", 138.0), ("10", 517.0)]
+    assert all(r["source"] == "reference" and r["mean_ttft_ms"] == "" for r in got)
+    meta = json.loads(ref.with_suffix(".json").read_text())
+    assert meta["kind"] == "baseline" and meta["measured_by_ddbench"] is False
+    assert "not measured by ddbench" in meta["provenance"].lower()
+    assert "RTX PRO 6000" in meta["hardware"] and meta["tensor_parallel"] == 8
+
+
+def test_report_plots_baseline_and_engine(tmp_path):
+    from ddbench.results import ResultWriter
+
+    res = tmp_path / "res"
+    res.mkdir()
+    for name in ("sglang_reference.csv", "sglang_reference.json"):
+        (res / name).write_text((ROOT / "results" / "baseline" / name).read_text())
+    with ResultWriter(res, "baseline", name="b1") as w:
+        for c, t in ((1, 50.0), (4, 150.0)):
+            w.write({**dict.fromkeys(bl.SUMMARY_COLUMNS), "label": "local", "concurrency": c,
+                     "output_tok_per_s": t})
+    with ResultWriter(res, "baseline_requests", name="r1") as w:
+        for i in range(6):
+            w.write({**dict.fromkeys(bl.REQUEST_COLUMNS), "label": "local", "concurrency": 1 + i % 2,
+                     "ok": int(i != 5), "ttft_ms": 100 + i, "tpot_ms": 5 + i})
+    with ResultWriter(res, "e2e", name="e1") as w:
+        for mode, c, t in (("ddtree", 1, 200.0), ("ddtree", 1, 220.0), ("ddtree", 10, 700.0), ("ar", 1, 90.0)):
+            w.write({"mode": mode, "concurrency": c, "output_tok_per_s": t})
+    with ResultWriter(res, "decode", name="d1") as w:
+        w.write({"label": "tp8", "concurrency": 1, "output_tok_per_s": 80.0})
+
+    results = load([res])
+    series = {name: (conc, tps) for name, _, conc, tps in bl.throughput_series(results)}
+    assert series["SGLang 8x RTX PRO 6000 TP-8 (reported)"] == ([1, 10], [138.0, 517.0])
+    assert series["local"] == ([1, 4], [50.0, 150.0])
+    assert series["e2e: ddtree"] == ([1, 10], [220.0, 700.0])  # best of the sweep at c=1
+    assert series["e2e: ar"] == ([1], [90.0]) and series["decode: tp8"] == ([1], [80.0])
+    drawn = bl.plot(results, tmp_path / "plots", "png") if (tmp_path / "plots").mkdir() is None else None
+    assert [t for t, _ in drawn] == ["Output tok/s vs concurrency", "TTFT and TPOT distributions"]
+    assert all(Path(p).stat().st_size > 1000 for _, p in drawn)
