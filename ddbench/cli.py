@@ -120,6 +120,54 @@ def report(
 # --- allreduce ---
 # --- tree-bench ---
 # --- baseline ---
+@app.command()
+@user_errors
+def baseline(
+    url: Optional[str] = typer.Option(None, "--url", help="Server base URL, e.g. http://127.0.0.1:30000."),
+    api: str = typer.Option("sglang", "--api",
+                            help="sglang: native /generate (meta_info counts, spec_verify_ct); "
+                                 "openai: /v1/completions SSE (usage counts)."),
+    concurrency: str = typer.Option("1,10", "--concurrency", "-c",
+                                    help="Requests kept in flight: '1,10', '1-4' ..."),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts",
+                                              help="Requests per concurrency level (default: 4 x concurrency, at least 8)."),
+    input_len: int = typer.Option(1024, "--input-len", help="Prompt length of the random dataset (tokens / words)."),
+    output_len: int = typer.Option(256, "--output-len", help="Output tokens per request (ignore_eos: fixed length)."),
+    dataset: str = typer.Option("random", "--dataset",
+                                help="'random' (token ids for sglang, words for openai) or a JSONL file of "
+                                     "{\"prompt\": ...} / {\"input_ids\": [...]} lines."),
+    warmup: int = typer.Option(1, "--warmup", help="Warmup requests sent (all at once) before measuring."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Per-request time limit in seconds (also connect/read)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model name for --api openai (default: first of /v1/models)."),
+    label: Optional[str] = typer.Option(None, "--label", help="Name of this run in CSVs and plots (default: API@host:port)."),
+    import_file: Optional[Path] = typer.Option(None, "--import",
+                                               help="Convert an SGLang bench_serving --output-file JSONL into "
+                                                    "the baseline summary CSV instead of measuring."),
+    seed: int = SEED, out: Path = OUT,
+):
+    """Measure a live SGLang (or OpenAI-compatible) server at concurrency N.
+
+    A streaming client keeps exactly N requests in flight and reports, per level, SGLang
+    bench_serving's metrics: request/output/total throughput, TTFT, TPOT =
+    (latency - TTFT)/(out - 1), ITL (a multi-token chunk's gap split over its tokens), E2E
+    latency (mean/median/p90/p99), accept length = completion tokens / spec_verify_ct, and
+    failed requests. Writes baseline_*.csv (summary), baseline_requests_*.csv (per request)
+    and JSON sidecars with the server's own info.
+    """
+    from ddbench import baseline as bl
+
+    if import_file is not None:
+        summary, requests = bl.import_bench_serving(import_file, out, label)
+        typer.echo(f"wrote {summary}" + (f" and {requests}" if requests else ""))
+        return
+    if not url:
+        raise UserError("--url is required (or --import FILE.jsonl)")
+    levels = parse_int_list(concurrency, "--concurrency")
+    bl.run(url=url, api=api, concurrency=levels, num_prompts=num_prompts, input_len=input_len,
+           output_len=output_len, dataset=dataset, warmup=warmup, timeout=timeout, model=model,
+           label=label, seed=seed, out=out)
+
+
 # --- decode ---
 # --- e2e ---
 
