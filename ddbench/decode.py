@@ -1,0 +1,328 @@
+"""`ddbench decode`: greedy autoregressive decoding of the K2.6 engine, per-phase step time.
+
+Three ways to run a TP-n model:
+
+- `--tp 1`: the whole model in one process.
+- `--tp N --simulate-rank R`: rank R's shard on one device; every all-reduce and
+  all-gather is a stand-in whose time comes from the all-reduce model
+  (`--allreduce-model`, see `ddbench allreduce`). The measured step is compute only; the
+  modelled communication is added for the projected step and tok/s.
+- `--tp N` alone: N processes (one per GPU with NCCL, or gloo processes on a CPU), the
+  real thing; rank 0 reports.
+
+For each concurrency c: random prompts of `--prompt-len`, prefill, then `--new-tokens`
+greedy steps (a CUDA graph per step on GPU), plus one eager step timed per phase
+(engine/decode.py explains the method). One CSV row per c (kind `decode`) with the step
+time, per-phase times, tok/s, and the bytes floor: (weight bytes + KV bytes) a step
+must read / the measured device copy bandwidth.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from ddbench import UserError
+
+PHASE_COLS = ("attention", "moe", "mlp", "comm", "lm_head", "other")
+DEFAULT_ALLREDUCE = "nvlink-h200"
+
+
+def allreduce_predictor(spec: str | None, tp: int):
+    """`predict_us(nbytes)` of one TP-`tp` all-reduce from `ddbench.allreduce`'s model spec."""
+    from ddbench.allreduce import load_model
+
+    model = load_model(spec or DEFAULT_ALLREDUCE)
+    model = model.with_ranks(tp)
+    return model.predict_us, f"{model.source} (lat {model.lat_us:.1f} us, busbw {model.busbw_gbps} GB/s, n={tp})"
+
+
+def pick_backends(device: torch.device, moe: str, attn: str) -> tuple[str, str]:
+    """'auto' -> triton on GPU when the kernel module is present, else the torch reference."""
+    if moe == "auto":
+        moe = "torch"
+        if device.type == "cuda":
+            try:
+                import kernels.moe_triton  # noqa: F401
+                moe = "triton"
+            except ImportError:
+                print("note: kernels.moe_triton is missing; using the (slow) torch MoE reference")
+    if attn == "auto":
+        from kernels import mla_attn
+        attn = "triton" if device.type == "cuda" and hasattr(mla_attn, "mla_attention") else "torch"
+    for what, v in (("--moe-backend", moe), ("--attn-backend", attn)):
+        if v not in ("torch", "triton"):
+            raise UserError(f"{what} {v!r}: choose auto, torch or triton")
+    return moe, attn
+
+
+def build_model(cfg, comm, checkpoint: Path | None, moe: str, attn: str, seed: int, device, init: str):
+    """The Transformer on `device`, from a checkpoint or random weights -> (model, init used)."""
+    from engine import checkpoint as ck
+    from engine.model import Transformer
+    from engine.weights import init_random
+
+    model = Transformer(cfg, comm, moe_backend=moe, attn_backend=attn, device=device)
+    if checkpoint is not None:
+        ck.load_into(model, checkpoint)
+        return model, "checkpoint"
+    return model, init_random(model, seed, init)
+
+
+def measure_rows(model, concurrency: list[int], prompt_len: int, new_tokens: int, seed: int,
+                 graph: bool, copy_bw: float | None, base: dict, on_row) -> None:
+    """Run `measure_decode` at each concurrency and hand a CSV row to `on_row`."""
+    from engine.decode import measure_decode, step_bytes
+
+    for c in concurrency:
+        r = measure_decode(model, c, prompt_len, new_tokens, seed, use_graph=None if graph else False)
+        ph = r["phases_us"]
+        comm_us = r["comm_modelled_us"] if model.comm.simulated else ph["comm"]
+        total = r["step_us"] + (r["comm_modelled_us"] if model.comm.simulated else 0.0)
+        b = step_bytes(model, c, r["mean_context"])
+        floor = (b["weight_bytes"] + b["kv_bytes"]) / (copy_bw * 1e3) if copy_bw else None
+        row = {**base, "concurrency": c, "prompt_len": prompt_len, "new_tokens": new_tokens,
+               "cuda_graph": r["cuda_graph"],
+               "step_us": round(r["step_us"], 2), "step_us_p20": round(r["step_us_p20"], 2),
+               "step_us_p80": round(r["step_us_p80"], 2),
+               "comm_us": round(comm_us, 2), "step_total_us": round(total, 2),
+               "output_tok_per_s": round(c * 1e6 / total, 2),
+               **{f"{p}_us": round(ph[p], 2) for p in PHASE_COLS if p != "comm"},
+               "phases_sum_us": round(sum(ph.values()), 2),
+               "prefill_s": round(r["prefill_s"], 4),
+               "weight_bytes": int(b["weight_bytes"]), "kv_bytes": int(b["kv_bytes"]),
+               "experts_touched": round(b["experts_touched"], 2), "copy_bw_gbps": copy_bw,
+               "floor_us": round(floor, 2) if floor else None,
+               "floor_ratio": round(r["step_us"] / floor, 3) if floor else None,
+               "first_tokens": " ".join(map(str, r["tokens"][0, :8].tolist()))}
+        on_row(row)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_worker(rank: int, tp: int, port: int, queue, kw: dict) -> None:
+    """One process of a real TP run: NCCL on its GPU or gloo on the CPU; rank 0 reports rows."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from engine.config import preset as make_preset
+    from engine.parallel import DistComm
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cuda = kw["device"] == "cuda"
+        if cuda:
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp,
+                                timeout=datetime.timedelta(seconds=120))
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        if kw["checkpoint"] is not None:
+            from engine.checkpoint import read_config
+            cfg = read_config(kw["checkpoint"], tp, rank)
+        else:
+            cfg = make_preset(kw["preset"], tp=tp, rank=rank, **kw["overrides"])
+        model, init = build_model(cfg, DistComm(), kw["checkpoint"], kw["moe"], kw["attn"], kw["seed"],
+                                  device, kw["init"])
+        copy_bw = None
+        if cuda:
+            from ddbench.timing import copy_bandwidth_gbps
+            copy_bw = copy_bandwidth_gbps(device)
+        base = {**kw["base"], "init": init}
+        measure_rows(model, kw["concurrency"], kw["prompt_len"], kw["new_tokens"], kw["seed"], kw["graph"],
+                     copy_bw, base, (lambda row: queue.put(("row", row))) if rank == 0 else (lambda row: None))
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put(("done", rank))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails loudly
+        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+        raise SystemExit(1)
+
+
+def _run_distributed(tp: int, kw: dict, writer, progress, task) -> None:
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_worker, args=(r, tp, port, q, kw), daemon=True) for r in range(tp)]
+    for p in procs:
+        p.start()
+    done, error = set(), None
+    try:
+        while len(done) < tp and error is None:
+            try:
+                kind, msg = q.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    error = f"rank process exited with code {dead[0].exitcode}"
+                continue
+            if kind == "row":
+                writer.write(msg)
+                progress.advance(task)
+            elif kind == "done":
+                done.add(msg)
+            else:
+                error = msg
+    finally:
+        for p in procs:
+            p.join(timeout=5 if error is None else 1)
+            if p.is_alive():
+                p.terminate()
+    if error:
+        raise RuntimeError(f"tensor-parallel decode failed: {error}")
+
+
+def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | None, concurrency: list[int],
+        prompt_len: int, new_tokens: int, checkpoint: Path | None, allreduce_model: str | None,
+        moe_backend: str, attn_backend: str, graph: bool, init: str, seed: int, out: Path,
+        override: list[str] | None) -> Path:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from ddbench.results import ResultWriter, run_metadata
+    from engine.config import parse_overrides, preset as make_preset
+
+    console = Console()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if tp < 1:
+        raise UserError(f"--tp {tp}: must be >= 1")
+    if prompt_len < 1 or new_tokens < 2:
+        raise UserError("--prompt-len must be >= 1 and --new-tokens >= 2")
+    if any(c < 1 for c in concurrency):
+        raise UserError("--concurrency values must be >= 1")
+    if simulate_rank is not None and not 0 <= simulate_rank < tp:
+        raise UserError(f"--simulate-rank {simulate_rank} is not a rank of --tp {tp}")
+    if init not in ("auto", "exact", "shard"):
+        raise UserError(f"--init {init!r}: choose auto, exact or shard")
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise UserError(f"--checkpoint {checkpoint}: no such directory")
+    distributed = tp > 1 and simulate_rank is None
+    if distributed:
+        gpus = gpus or tp
+        if gpus != tp:
+            raise UserError(f"--gpus {gpus} must equal --tp {tp} (one process per rank)")
+        if cuda and torch.cuda.device_count() < tp:
+            raise UserError(f"--tp {tp} needs {tp} GPUs, found {torch.cuda.device_count()}")
+    if preset is None:
+        preset = "k2.6" if cuda else "tiny"
+        if not cuda and checkpoint is None:
+            console.print("note: no GPU, so the tiny preset (pass --preset to choose)")
+    overrides = parse_overrides(override)
+    rank = simulate_rank or 0
+    if checkpoint is not None:
+        from engine.checkpoint import read_config
+        cfg = read_config(checkpoint, tp, rank)
+    else:
+        cfg = make_preset(preset, tp=tp, rank=rank, **overrides)
+    moe, attn = pick_backends(device, moe_backend, attn_backend)
+
+    predict, model_desc = (None, None)
+    if simulate_rank is not None and tp > 1:
+        predict, model_desc = allreduce_predictor(allreduce_model, tp)
+    mode = "distributed" if distributed else ("simulated" if tp > 1 else "single")
+    base = {"preset": cfg.name, "tp": tp, "rank": rank if not distributed else "all", "mode": mode,
+            "moe_backend": moe, "attn_backend": attn, "device": str(device),
+            "checkpoint": str(checkpoint) if checkpoint else ""}
+    meta = run_metadata("decode", preset=cfg.name, seed=seed, tp=tp, simulate_rank=simulate_rank, mode=mode,
+                        allreduce_model=model_desc, config=cfg.to_dict(), moe_backend=moe, attn_backend=attn,
+                        method="step_us: CUDA-graph replay per step (events); *_us phases: one eager step "
+                               "with CUDA events at phase boundaries after a GPU head start; comm_us modelled "
+                               "(simulated) or measured (distributed)")
+    total_rows = len(concurrency)
+    with ResultWriter(out, "decode", meta) as writer, Progress(console=console) as progress:
+        task = progress.add_task(f"decode {cfg.name} tp={tp} {mode}", total=total_rows)
+        if distributed:
+            kw = dict(device=device.type, preset=preset, overrides=overrides, checkpoint=checkpoint, moe=moe,
+                      attn=attn, seed=seed, init=init, concurrency=concurrency, prompt_len=prompt_len,
+                      new_tokens=new_tokens, graph=graph, base=base)
+            _run_distributed(tp, kw, writer, progress, task)
+        else:
+            from engine.parallel import LocalComm, SimComm
+
+            comm = SimComm(tp, rank, predict) if tp > 1 else LocalComm()
+            t0 = time.perf_counter()
+            progress.update(task, description=f"init {cfg.name} tp={tp} rank {rank}")
+            try:
+                model, used = build_model(cfg, comm, checkpoint, moe, attn, seed, device, init)
+            except torch.cuda.OutOfMemoryError as e:
+                raise UserError(f"out of GPU memory building {cfg.name} tp={tp} rank {rank}: {e}") from None
+            init_s = time.perf_counter() - t0
+            writer.meta.update(init=used, init_s=round(init_s, 2))
+            copy_bw = None
+            if cuda:
+                from ddbench.timing import copy_bandwidth_gbps
+                copy_bw = copy_bandwidth_gbps(device)
+                writer.meta["gpu_mem_allocated_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+            progress.update(task, description=f"decode {cfg.name} tp={tp} {mode}")
+
+            def on_row(row):
+                writer.write({**row, "init": used})
+                progress.advance(task)
+            measure_rows(model, concurrency, prompt_len, new_tokens, seed, graph, copy_bw, base, on_row)
+            if cuda:
+                writer.meta["gpu_mem_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    print_table(console, writer.rows)
+    console.print(f"wrote {writer.path}")
+    return writer.path
+
+
+def print_table(console, rows: list[dict]) -> None:
+    from rich.table import Table
+
+    t = Table(title="ddbench decode (step = measured; total = step + modelled comm when simulated)")
+    for col in ("c", "graph", "step us", "comm us", "total us", "tok/s", "attn", "moe", "mlp", "lm_head",
+                "other", "floor us", "x floor"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r["concurrency"]), "y" if r["cuda_graph"] else "n", f"{r['step_us']:.0f}",
+                  f"{r['comm_us']:.0f}", f"{r['step_total_us']:.0f}", f"{r['output_tok_per_s']:.1f}",
+                  *(f"{r[p + '_us']:.0f}" for p in ("attention", "moe", "mlp", "lm_head", "other")),
+                  "-" if r["floor_us"] is None else f"{r['floor_us']:.0f}",
+                  "-" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}")
+    console.print(t)
+
+
+def plot(results: dict, out: Path, fmt: str) -> list[tuple[str, Path]]:
+    """Stacked per-phase step time per run and concurrency, with the graph step and bytes floor."""
+    import matplotlib.pyplot as plt
+
+    from ddbench.report import save
+
+    runs = results.get("decode", [])
+    if not runs:
+        return []
+    labels, stacks, totals, floors = [], [], [], []
+    for df, meta in runs:
+        for _, r in df.iterrows():
+            labels.append(f"{r['preset']} tp{r['tp']} {r['mode'][:3]}\nc={r['concurrency']}")
+            stacks.append([float(r[f"{p}_us"]) for p in PHASE_COLS])
+            totals.append(float(r["step_total_us"]))
+            floors.append(float(r["floor_us"]) if str(r.get("floor_us")) not in ("", "nan", "None") else None)
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4.5))
+    bottom = [0.0] * len(labels)
+    x = range(len(labels))
+    for k, p in enumerate(PHASE_COLS):
+        vals = [s[k] for s in stacks]
+        ax.bar(x, vals, bottom=bottom, label=f"{p} (eager)")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.scatter(x, totals, marker="_", s=600, color="black", zorder=3, label="step total (graph + modelled comm)")
+    fx = [i for i, f in zip(x, floors) if f]
+    ax.scatter(fx, [f for f in floors if f], marker="x", color="red", zorder=3, label="bytes floor")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("time per decode step (us)")
+    ax.set_title("ddbench decode: per-phase step time")
+    ax.legend(fontsize=7)
+    return [("decode: per-phase step time", save(fig, out, "decode_phases", fmt))]
