@@ -169,6 +169,52 @@ def baseline(
 
 
 # --- decode ---
+@app.command()
+@user_errors
+def decode(
+    preset: Optional[str] = typer.Option(None, "--preset", help="Model preset: k2.6, k2.6-tp8-rank or tiny "
+                                         "(default k2.6 on a GPU, tiny on a CPU)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree of the model."),
+    simulate_rank: Optional[int] = typer.Option(None, "--simulate-rank",
+                                                help="Run only this rank's shard on one device; all-reduces "
+                                                     "are modelled (--allreduce-model)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Processes/GPUs for a real TP run (= --tp)."),
+    concurrency: str = typer.Option("1,10", "--concurrency", help="Streams decoded together: '1,10' or '1-4'."),
+    prompt_len: int = typer.Option(128, "--prompt-len", help="Random prompt tokens per stream."),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens generated per stream (timed steps = this - 1)."),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint",
+                                              help="Hugging Face K2.6-layout checkpoint directory "
+                                                   "(default: random weights)."),
+    allreduce_model: Optional[str] = typer.Option(None, "--allreduce-model",
+                                                  help="All-reduce model for --simulate-rank: nvlink-h200 "
+                                                       "(default), pcie, lat_us=..,busbw_gbps=.. or an "
+                                                       "allreduce CSV."),
+    moe_backend: str = typer.Option("auto", "--moe-backend", help="auto, torch or triton."),
+    attn_backend: str = typer.Option("auto", "--attn-backend", help="auto, torch or triton."),
+    graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA graph for the decode step (GPU)."),
+    init: str = typer.Option("auto", "--init", help="Random init: auto, exact (full tensors, sliced) or "
+                                                    "shard (only this rank's, on the device)."),
+    seed: int = SEED, out: Path = OUT,
+    override: Optional[List[str]] = OVERRIDE,
+):
+    """Greedy autoregressive decoding of the K2.6 engine: tok/s and per-phase step time.
+
+    Prefills random prompts, then times each decode step (a CUDA-graph replay on GPU) and
+    one eager step per phase (attention, MoE, dense/shared MLP, communication, lm_head).
+    With --tp N --simulate-rank R one rank's shard runs on one GPU and communication is
+    modelled; with --tp N alone, N processes run the real thing (NCCL, or gloo on CPU).
+    Writes a tidy CSV (kind 'decode') with the bytes floor: (weight + KV bytes read per
+    step) / measured copy bandwidth.
+    """
+    from ddbench.decode import run
+
+    run(preset=preset, tp=tp, simulate_rank=simulate_rank, gpus=gpus,
+        concurrency=parse_int_list(concurrency, "--concurrency"), prompt_len=prompt_len,
+        new_tokens=new_tokens, checkpoint=checkpoint, allreduce_model=allreduce_model,
+        moe_backend=moe_backend, attn_backend=attn_backend, graph=graph, init=init, seed=seed, out=out,
+        override=override)
+
+
 # --- e2e ---
 
 
