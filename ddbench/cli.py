@@ -87,6 +87,10 @@ def pack(
     verify: bool = typer.Option(False, "--verify", help="Unpack everything and compare with the logical weights."),
     save_checkpoint: bool = typer.Option(False, "--save-checkpoint",
                                          help="Also write the compressed-tensors checkpoint tensors (K2.6 names)."),
+    hf_dir: Optional[Path] = typer.Option(None, "--hf-dir",
+                                          help="Instead, write the whole random model as a Hugging Face "
+                                               "K2.6-layout checkpoint directory (config.json, index, "
+                                               "shards) that `ddbench decode --checkpoint` loads."),
     seed: int = SEED, out: Path = OUT,
     override: Optional[List[str]] = OVERRIDE,
 ):
@@ -99,7 +103,7 @@ def pack(
     from ddbench.pack import run
 
     run(preset=preset, tp=tp, rank=rank, layers=layers, group_size=group_size, device=device,
-        verify=verify, save_checkpoint=save_checkpoint, seed=seed, out=out, override=override)
+        verify=verify, save_checkpoint=save_checkpoint, seed=seed, out=out, override=override, hf_dir=hf_dir)
 
 
 @app.command()

@@ -102,7 +102,8 @@ def checksum(t: torch.Tensor) -> str:
 
 
 def run(*, preset: str, tp: int, rank: int, layers: str, group_size: int | None, device: str,
-        verify: bool, save_checkpoint: bool, seed: int, out: Path, override: list[str] | None) -> Path:
+        verify: bool, save_checkpoint: bool, seed: int, out: Path, override: list[str] | None,
+        hf_dir: Path | None = None) -> Path:
     from safetensors.torch import save_file
 
     fields = parse_overrides(override)
@@ -110,6 +111,8 @@ def run(*, preset: str, tp: int, rank: int, layers: str, group_size: int | None,
         fields["group_size"] = group_size
     cfg = make_preset(preset, tp=tp, rank=rank, **fields)
     cfg.check_marlin()
+    if hf_dir is not None:
+        return write_hf_dir(cfg, Path(hf_dir), seed)
     if (cfg.moe_inter_local * rank) % cfg.group_size:
         raise UserError(f"rank shard start {cfg.moe_inter_local * rank} breaks group size {cfg.group_size}")
     layer_ids = parse_layers(layers, cfg)
@@ -163,6 +166,23 @@ def run(*, preset: str, tp: int, rank: int, layers: str, group_size: int | None,
     print(f"wrote {out_dir} ({len(layer_ids)} layer(s), {total / 1e9:.2f} GB Marlin; "
           f"pack {pack_s:.2f} s on {dev}{'; verified bit-exact' if verify else ''})")
     return out_dir
+
+
+def write_hf_dir(cfg: ModelConfig, hf_dir: Path, seed: int) -> Path:
+    """The whole random model (engine.weights, "exact" mode) as a Hugging Face checkpoint."""
+    from engine.checkpoint import write_checkpoint
+    from engine.weights import routed_bytes_full
+
+    if hf_dir.exists() and any(hf_dir.iterdir()):
+        raise UserError(f"--hf-dir {hf_dir} exists and is not empty")
+    gb = routed_bytes_full(cfg) / 1e9
+    if gb > 20:
+        print(f"note: {cfg.name} has {gb:.0f} GB of routed experts; writing takes long")
+    with Progress() as progress:
+        task = progress.add_task(f"writing {hf_dir}", total=cfg.n_layers + 1)
+        write_checkpoint(cfg, hf_dir, seed, progress=lambda: progress.advance(task))
+    print(f"wrote {hf_dir} (Hugging Face layout, {cfg.name}, seed {seed})")
+    return hf_dir
 
 
 def _sync(dev: torch.device) -> None:
