@@ -122,6 +122,58 @@ def report(
 # Subcommands added by later routines register below, one block each.
 # --- moe-sweep ---
 # --- allreduce ---
+@app.command()
+@user_errors
+def allreduce(
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Ranks to start: one per GPU with nccl (default: all "
+                                       "visible), N CPU processes with gloo (default 2). Under torchrun: "
+                                       "WORLD_SIZE decides."),
+    backend: str = typer.Option("auto", "--backend", help="nccl, gloo (CPU processes) or auto (nccl when a "
+                                "CUDA GPU is visible)."),
+    min_bytes: str = typer.Option("8", "--min-bytes", help="Smallest message of the doubling sweep (8, 64K, 1M, ...)."),
+    max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Largest message of the sweep "
+                                            "(default 1G with nccl, 1M with gloo)."),
+    tokens: str = typer.Option("1,16,160", "--tokens", help="Also time TP decode messages of T x hidden "
+                               "values for these token counts ('none' to skip)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32."),
+    op: str = typer.Option("sum", "--op", help="Reduction: sum, max or min."),
+    mode: str = typer.Option("both", "--mode", help="eager, graph (a CUDA graph of --graph-ops all-reduces, "
+                             "time per op) or both; graph is skipped with gloo."),
+    warmup: int = typer.Option(5, "--warmup", help="Untimed all-reduces before each size."),
+    reps: int = typer.Option(20, "--reps", help="Timed samples per size (median, p20, p80)."),
+    graph_ops: int = typer.Option(10, "--graph-ops", help="All-reduces captured in one CUDA graph."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds allowed for process-group setup and for "
+                                  "any one collective."),
+    model: bool = typer.Option(False, "--model", help="Fit the latency + bandwidth model to the measured rows "
+                               "and print its TP decode-step predictions (also written to the sidecar)."),
+    predict: Optional[str] = typer.Option(None, "--predict", help="Measure nothing: print the model's "
+                                          "predictions for SPEC = a result CSV, nvlink-h200, pcie or "
+                                          "'lat_us=..,busbw_gbps=..[,n_ranks=..]'."),
+    name: Optional[str] = typer.Option(None, "--name", help="Result file name (default allreduce_TIMESTAMP)."),
+    preset: str = PRESET, override: Optional[List[str]] = OVERRIDE, out: Path = OUT,
+):
+    """Time all-reduce over message sizes with nccl-tests' columns, eager and in a CUDA graph.
+
+    Starts one process per GPU (or runs as one rank under torchrun), checks every result
+    against known values (`wrong`), and writes size_bytes, count, dtype, redop, in_place,
+    time_us (median, p20, p80), algbw_gbps, busbw_gbps = algbw x 2(n-1)/n, wrong, n_ranks,
+    cuda_graph, mode, backend, tokens. --tokens adds the exact TP decode messages
+    (T x hidden x dtype bytes; a TP decode step does 2 per layer). NCCL_NVLS_ENABLE=0
+    unless set. Example: ddbench allreduce --gpus 8 --model
+    """
+    from ddbench.allreduce import predict as predict_model, run
+    from engine.config import parse_overrides, preset as make_preset
+
+    cfg = make_preset(preset, **parse_overrides(override))
+    token_list = [] if tokens.strip().lower() in ("", "none") else parse_int_list(tokens, "--tokens")
+    if predict is not None:
+        predict_model(predict, token_list or [1, 16, 160], cfg.hidden, cfg.n_layers, dtype)
+        return
+    run(gpus=gpus, backend=backend, min_bytes=min_bytes, max_bytes=max_bytes, tokens=token_list,
+        dtype=dtype, op=op, mode=mode, warmup=warmup, reps=reps, graph_ops=graph_ops, timeout=timeout,
+        out=out, name=name, model=model, hidden=cfg.hidden, n_layers=cfg.n_layers)
+
+
 # --- tree-bench ---
 # --- baseline ---
 @app.command()
