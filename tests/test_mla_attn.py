@@ -1,0 +1,95 @@
+"""Triton MLA attention against `mla_attention_ref`: tree verify, decode and prefill masks,
+different prefix lengths per stream, with and without split-K. Small latent/rope dims under
+the CPU interpreter; K2.6 dims (512 + 64) and bf16 on the GPU."""
+import pytest
+import torch
+
+from kernels.mla_attn import mla_attention, mla_attention_ref
+
+
+def tree_visible(b, t, gen, device="cpu"):
+    """Ancestor-or-self masks of random trees (parent < child)."""
+    vis = torch.zeros(b, t, t, dtype=torch.bool)
+    for s in range(b):
+        for i in range(t):
+            vis[s, i, i] = True
+            if i:
+                vis[s, i] |= vis[s, int(torch.randint(0, i, (1,), generator=gen))]
+    return vis.to(device)
+
+
+def make(b, t, h, s_len, plens, dl, dr, dtype, gen, device="cpu"):
+    q_lat = torch.randn(b, t, h, dl, generator=gen).to(device, dtype)
+    q_rope = torch.randn(b, t, h, dr, generator=gen).to(device, dtype)
+    ckv = torch.randn(b, s_len, dl, generator=gen).to(device, dtype)
+    kpe = torch.randn(b, s_len, dr, generator=gen).to(device, dtype)
+    return q_lat, q_rope, ckv, kpe, torch.tensor(plens, device=device)
+
+
+ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+CASES = [  # streams, new tokens, heads, cache len, prefix per stream, splits (None = heuristic)
+    (3, 6, 2, 96, [7, 0, 80], None),
+    (3, 6, 2, 96, [7, 0, 80], 1),          # one split: normalized output written directly
+    (2, 9, 4, 70, [61, 25], 5),            # splits smaller than the tree region
+    (2, 1, 8, 80, [79, 33], None),         # decode
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=[f"b{c[0]}t{c[1]}h{c[2]}s{c[3]}ns{c[5]}" for c in CASES])
+def test_tree_attention_equals_reference(case, dtype):
+    b, t, h, s_len, plens, ns = case
+    gen = torch.Generator().manual_seed(sum(plens) + t)
+    q_lat, q_rope, ckv, kpe, plen = make(b, t, h, s_len, plens, 64, 16, dtype, gen)
+    vis = tree_visible(b, t, gen)
+    ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, 0.125)
+    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.125, num_splits=ns, block_n=16)
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+def test_prefill_causal_and_strided_queries():
+    """Causal visibility (prefill), prefix 0 for one stream, q views with non-packed strides."""
+    gen = torch.Generator().manual_seed(9)
+    b, t, h = 2, 20, 2
+    qkv = torch.randn(b, t, h, 64 + 16 + 8, generator=gen)
+    q_lat, q_rope = qkv[..., :64], qkv[..., 64:80]                 # strided views
+    ckv = torch.randn(b, 40, 64, generator=gen)
+    kpe = torch.randn(b, 40, 16, generator=gen)
+    plen = torch.tensor([0, 17])
+    vis = torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(b, t, t)
+    ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, 0.2)
+    for ns in (None, 3):
+        out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.2, num_splits=ns, block_n=16)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_ignores_cache_past_the_new_tokens():
+    """Garbage (huge values) beyond prefix+T must not leak into the result."""
+    gen = torch.Generator().manual_seed(1)
+    q_lat, q_rope, ckv, kpe, plen = make(2, 3, 2, 64, [10, 30], 32, 8, torch.float32, gen)
+    ckv[0, 13:] = 1e4
+    ckv[1, 33:] = float("nan")
+    vis = tree_visible(2, 3, gen)
+    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.1, num_splits=4, block_n=16)
+    assert torch.isfinite(out).all()
+    ck, kp = ckv.clone(), kpe.clone()
+    ck[0, 13:], ck[1, 33:] = 0, 0
+    ref = mla_attention_ref(q_lat, q_rope, ck, kp, plen, vis, 0.1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("t,h", [(1, 8), (17, 8), (65, 8), (1, 64), (33, 64)])
+def test_gpu_k26_dims(t, h, dtype):
+    gen = torch.Generator().manual_seed(t * h)
+    b, s_len = 10, 8192 + 65
+    plens = torch.randint(1, 8192, (b,), generator=gen).tolist()
+    q_lat, q_rope, ckv, kpe, plen = make(b, t, h, s_len, plens, 512, 64, dtype, gen, "cuda")
+    vis = tree_visible(b, t, gen, "cuda")
+    scale = 192 ** -0.5
+    ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, scale)
+    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=ATOL[dtype])
