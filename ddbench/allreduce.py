@@ -394,7 +394,7 @@ def _sweep(plan: Plan, rank: int, n: int, device) -> None:
                    "wrong": int(agg[3].item()), "n_ranks": n, "cuda_graph": mode == "graph",
                    "mode": mode, "backend": plan.backend, "tokens": tokens}
             if lead:
-                writer.write(row)
+                writer.write({k: row[k] for k in COLUMNS})
                 progress.advance(mode, size)
     except BaseException as e:
         if lead:
@@ -459,6 +459,7 @@ def _measure_graph(x, op, plan: Plan, rank: int, n: int, device):
         for _ in range(max(1, plan.warmup)):
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)  # no eager work still pending when the capture starts
     check, timed = capture(1), capture(plan.graph_ops)
     x.copy_(known_values(x.numel(), rank, x.dtype, device))
     check.replay()
