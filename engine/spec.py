@@ -1,0 +1,566 @@
+"""The DDTree speculative decoding loop, batched over N streams (DESIGN §5).
+
+One step, for every stream at once and without host syncs:
+
+  draft   the drafter turns [bonus, MASK x (B-1)] into B-1 per-position distributions
+  tree    top-K per position, best-first tree of `budget` nodes (root = the bonus token)
+  verify  one target forward over [root + nodes] of every stream: positions start + depth,
+          each node sees the cached prefix and its ancestors; target argmax at every node
+  accept  greedy walk (or a synthetic draw, below) -> accepted path, next bonus token;
+          the accepted nodes' KV moves to the contiguous positions after the prefix
+  context the drafter's context cache takes the accepted tokens' hidden states; the
+          stream's prefix, output and bonus advance (finished streams stand still)
+
+Each phase is captured as its own CUDA graph per (concurrency, budget), so a step is five
+graph replays with timing events between them and the phase times are measured, not
+estimated. `ARStep` is plain greedy decoding over the same session, for the speed-up in
+the same run and as the lossless reference.
+
+Acceptance modes (`parse_acceptance`): `real` is the true greedy walk (lossless: the
+output equals greedy decoding of the target). Random weights make a real drafter miss, so
+`synthetic:TAU` and `profile:FILE` keep every kernel on real shapes but decide the
+accepted length per stream and step by a draw: depth d is accepted with probability a_d
+(given depth d-1 was), a constant a chosen so the mean tokens per step (bonus included)
+is TAU, or a_d read from a per-depth profile file. The path is walked down the tree's
+rank-0 chain (cut where the tree's chain ends). In these modes the tree is built from
+the drafter's real top-K token ids with log-probs taken from the profile (rank 0: log a_d,
+the rest share 1 - a_d), so its shape is what a drafter with that acceptance would give;
+random weights alone give flat distributions and a shallow, wide tree.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import ConfigError
+from engine.phases import PhaseTimer
+from kernels import ddtree
+
+PHASES = ("draft", "tree", "verify", "accept", "context")
+
+
+# --- acceptance modes ---------------------------------------------------------------
+
+@dataclass
+class Acceptance:
+    """How accepted paths are decided: mode 'real', 'synthetic' or 'profile'."""
+    mode: str = "real"
+    probs: tuple[float, ...] | None = None   # per-depth conditional acceptance a_1..a_L
+    label: str = "real"
+
+    @property
+    def tau(self) -> float | None:
+        """Expected tokens per step, bonus included (None for 'real')."""
+        return None if self.probs is None else expected_tokens(self.probs)
+
+
+def expected_tokens(probs) -> float:
+    """1 + sum_d prod_{j<=d} a_j: mean tokens per step of the per-depth acceptance chain."""
+    total, run = 1.0, 1.0
+    for a in probs:
+        run *= a
+        total += run
+    return total
+
+
+def tau_probs(tau: float, depth: int) -> tuple[float, ...]:
+    """Constant per-depth acceptance a with 1 + a + .. + a^depth = tau (bisection)."""
+    if not 1.0 <= tau <= depth + 1:
+        raise ConfigError(f"synthetic TAU={tau} must be in 1..{depth + 1} (block depth {depth} + bonus)")
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens([mid] * depth) < tau else (lo, mid)
+    return tuple([(lo + hi) / 2] * depth)
+
+
+def read_profile(path: Path, depth: int) -> tuple[float, ...]:
+    """Per-depth acceptance probabilities from a file: a JSON list (or {"accept_prob": [..]}),
+    or text/CSV with one number per line (a header line and '#' comments are skipped).
+    Shorter profiles are padded with 0 (nothing accepted deeper), longer ones cut."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"acceptance profile {path} does not exist")
+    text = path.read_text()
+    try:
+        data = json.loads(text)
+        vals = data["accept_prob"] if isinstance(data, dict) else data
+        vals = [float(v) for v in vals]
+    except (ValueError, KeyError, TypeError):
+        vals = []
+        for line in text.splitlines():
+            line = line.split("#")[0].strip().split(",")[-1].strip()
+            if not line:
+                continue
+            try:
+                vals.append(float(line))
+            except ValueError:
+                if vals:
+                    raise ConfigError(f"acceptance profile {path}: cannot read {line!r} as a number") from None
+    if not vals:
+        raise ConfigError(f"acceptance profile {path} holds no numbers")
+    if any(not 0.0 <= v <= 1.0 for v in vals):
+        raise ConfigError(f"acceptance profile {path}: probabilities must be in [0, 1]")
+    return tuple((vals + [0.0] * depth)[:depth])
+
+
+def parse_acceptance(text: str, depth: int) -> Acceptance:
+    """'real' | 'synthetic:TAU' | 'profile:FILE' -> Acceptance for a drafter of `depth`."""
+    kind, _, arg = text.partition(":")
+    if kind == "real" and not arg:
+        return Acceptance()
+    if kind == "synthetic" and arg:
+        try:
+            tau = float(arg)
+        except ValueError:
+            raise ConfigError(f"--acceptance {text!r}: TAU must be a number") from None
+        return Acceptance("synthetic", tau_probs(tau, depth), f"synthetic:{tau:g}")
+    if kind == "profile" and arg:
+        return Acceptance("profile", read_profile(Path(arg), depth), f"profile:{Path(arg).name}")
+    raise ConfigError(f"--acceptance {text!r}: use real, synthetic:TAU or profile:FILE")
+
+
+def profile_logp(probs, k: int) -> torch.Tensor:
+    """Tree log-probs `[L, K]` (sorted descending) for a drafter with per-depth acceptance
+    `probs`: rank 0 gets a_d, ranks 1.. share 1 - a_d geometrically (halving)."""
+    a = torch.tensor(probs, dtype=torch.float64).clamp(1e-9, 1 - 1e-9)           # [L]
+    rest = 0.5 ** torch.arange(1, k, dtype=torch.float64)                       # [K-1]
+    rest = rest / rest.sum() if k > 1 else rest
+    p = torch.cat([a[:, None], (1 - a)[:, None] * rest[None, :]], dim=1)         # [L, K]
+    return p.log().sort(dim=-1, descending=True).values.float()
+
+
+def drawn_tokens(u: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Tokens per step (bonus included) from uniforms u `[N, L]`: depth d is kept while
+    u[:, d] < probs[d] for every depth up to d -> `[N]` in 1..L+1."""
+    return 1 + (u < probs).long().cumprod(-1).sum(-1)
+
+
+def rank0_path(parent: torch.Tensor, rank: torch.Tensor, depth: torch.Tensor, want: torch.Tensor,
+               max_depth: int) -> torch.Tensor:
+    """Accepted nodes `[N, max_depth+1]` (root first, -1 padded): the tree's rank-0 chain
+    (root, its rank-0 child, that one's rank-0 child, ..) cut after `want[b]` nodes or
+    where the tree's chain ends. parent/rank/depth `[N, T]` as `kernels.ddtree.Tree`."""
+    n, t = parent.shape
+    l1 = max_depth + 1
+    # off[j]: some node on the path root..j has rank > 0 (pointer jumping over parents)
+    off = rank > 0
+    off[:, 0] = False
+    par = parent.clamp(min=0)
+    for _ in range(max(1, math.ceil(math.log2(l1))) + 1):
+        off = off | off.gather(1, par)
+        par = par.gather(1, par)
+    keep = ~off & (depth < want.view(n, 1))                                     # [N, T]
+    col = torch.where(keep, depth, l1)                                          # [N, T] slot = depth
+    acc = torch.full((n, l1 + 1), -1, dtype=torch.long, device=parent.device)
+    acc.scatter_(1, col, torch.arange(t, device=parent.device).expand(n, t))
+    return acc[:, :l1]
+
+
+# --- the session: streams, caches, prefill ----------------------------------------
+
+class Session:
+    """N streams over one target model (and optionally a drafter): the target KV cache,
+    the drafter context cache and each stream's progress, all on the model's device.
+
+    prefix_len `[N]` committed tokens (= the bonus token's position), bonus `[N]` the next
+    token to verify (already an output), out `[N, W]` generated tokens (n_out `[N]` valid),
+    limit `[N]` tokens to generate, done `[N]`.
+    """
+
+    def __init__(self, model, drafter=None, n_streams: int = 1, max_prompt: int = 256, max_new: int = 64,
+                 max_budget: int = 0):
+        self.model, self.drafter, self.n = model, drafter, n_streams
+        self.device = model.device
+        # a step writes at most max(budget + 1, block) positions past the committed prefix,
+        # and the last step of a stream may overshoot its limit by up to block - 1 tokens
+        block = drafter.block if drafter is not None else 1
+        self.reach = max(max_budget + 1, block)
+        self.max_prompt, self.max_new = max_prompt, max_new
+        self.max_len = max_len = max_prompt + max_new + block + self.reach
+        self.cache = model.new_cache(n_streams, max_len)
+        if drafter is not None:
+            drafter.alloc(n_streams, max_len)
+        depth = drafter.dc.depth if drafter is not None else 0
+        dev, n = self.device, n_streams
+        self.width = max_new + 2 * (depth + 2)        # room for one step's overshoot
+        self.prefix_len = torch.zeros(n, dtype=torch.long, device=dev)
+        self.bonus = torch.zeros(n, dtype=torch.long, device=dev)
+        self.out = torch.zeros(n, self.width, dtype=torch.long, device=dev)
+        self.n_out = torch.zeros(n, dtype=torch.long, device=dev)
+        self.limit = torch.zeros(n, dtype=torch.long, device=dev)
+        self.done = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.prompt_lens: list[int] = []
+        self._snap = None
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return self.drafter.target_layers if self.drafter is not None else ()
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], new_tokens, chunk: int = 256) -> None:
+        """Run every prompt through the target (chunked, padded to the longest prompt),
+        take each stream's first token, fill the drafter context, and snapshot the state.
+        `new_tokens`: one int for all streams or one per stream (first token included)."""
+        n, dev = self.n, self.device
+        if len(prompts) != n:
+            raise ConfigError(f"{len(prompts)} prompts for {n} streams")
+        lens = [len(p) for p in prompts]
+        limits = [new_tokens] * n if isinstance(new_tokens, int) else list(new_tokens)
+        if min(lens) < 1 or min(limits) < 1 or max(limits) > self.max_new:
+            raise ConfigError(f"prompts need >= 1 token and new tokens must be in 1..{self.max_new}")
+        if max(lens) > self.max_prompt:
+            raise ConfigError(f"prompt of {max(lens)} tokens is longer than the session's {self.max_prompt}")
+        vocab = self.model.cfg.vocab
+        tokens = torch.zeros(n, max(lens), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            if min(p) < 0 or max(p) >= vocab:
+                raise ConfigError(f"prompt {b} has token ids outside 0..{vocab - 1}")
+            tokens[b, :len(p)] = torch.tensor(p)
+        tokens = tokens.to(dev)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        first = torch.zeros(n, dtype=torch.long, device=dev)
+        for c0 in range(0, max(lens), chunk):
+            c1 = min(c0 + chunk, max(lens))
+            t = c1 - c0
+            pos = torch.arange(c0, c1, device=dev).expand(n, t)                     # [N, t]
+            vis = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(n, t, t)
+            start = torch.full((n,), c0, dtype=torch.long, device=dev)
+            logits, hid = self.model(tokens[:, c0:c1], pos, self.cache, start, vis, self.hidden_layers)
+            last = (lens_t - 1 - c0).clamp(0, t - 1)                                 # [N]
+            pick = logits.gather(1, last.view(n, 1, 1).expand(n, 1, logits.shape[-1])).squeeze(1).argmax(-1)
+            first = torch.where((lens_t - 1 >= c0) & (lens_t - 1 < c1), pick, first)
+            if self.drafter is not None:
+                self.drafter.update(hid, start)
+        self.prompt_lens = lens
+        self.prefix_len.copy_(lens_t)
+        self.bonus.copy_(first)
+        self.out.zero_()
+        self.out[:, 0] = first
+        self.n_out.fill_(1)
+        self.limit.copy_(torch.tensor(limits, dtype=torch.long))
+        self.done.copy_(self.n_out >= self.limit)
+        self._snap = [t.clone() for t in (self.prefix_len, self.bonus, self.out, self.n_out, self.done)]
+
+    def restore(self) -> None:
+        """Back to the state right after prefill (the caches past each prefix are scratch,
+        so only the small per-stream tensors need restoring)."""
+        for t, s in zip((self.prefix_len, self.bonus, self.out, self.n_out, self.done), self._snap):
+            t.copy_(s)
+
+    def outputs(self) -> list[list[int]]:
+        """Generated tokens per stream (host copy; syncs)."""
+        n_out = torch.minimum(self.n_out, self.limit).tolist()
+        out = self.out.cpu()
+        return [out[b, :n_out[b]].tolist() for b in range(self.n)]
+
+    def emit(self, tokens: torch.Tensor, count: torch.Tensor) -> None:
+        """Append tokens `[N, A]` (first `count[b]` valid) to each stream's output; rows
+        past the count land beyond n_out and are overwritten next time (no sync)."""
+        n, a = tokens.shape
+        cols = (self.n_out.view(n, 1) + torch.arange(a, device=self.device)).clamp(max=self.width - 1)
+        self.out.scatter_(1, cols, tokens)
+        self.n_out += count
+        self.done |= self.n_out >= self.limit
+
+
+# --- steppers ----------------------------------------------------------------------
+
+class _RefKernels:
+    """The torch/Python references of kernels.ddtree (host loops: CPU runs without Triton)."""
+    topk_from_logits = staticmethod(ddtree.topk_from_logits)
+    build_tree = staticmethod(ddtree.build_tree_ref)
+    greedy_accept = staticmethod(ddtree.greedy_accept_ref)
+
+
+def tree_kernels(which: str, device):
+    """'triton' (kernels.ddtree: GPU, or CPU under TRITON_INTERPRET=1), 'ref', or 'auto'
+    (triton on a GPU or under the interpreter, else ref)."""
+    if which == "auto":
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        which = "triton" if torch.device(device).type == "cuda" or interp else "ref"
+    if which == "triton":
+        return ddtree
+    if which == "ref":
+        return _RefKernels
+    raise ConfigError(f"unknown tree kernels {which!r}; choose auto, triton or ref")
+
+
+@dataclass
+class RunStats:
+    """One decoding run: steps, tokens, time per phase (summed over steps, microseconds)."""
+    steps: int = 0
+    tokens: int = 0                    # new output tokens (capped at each stream's limit)
+    stream_steps: int = 0              # sum over steps of active streams
+    accepted: int = 0                  # tokens gained incl. bonus, uncapped
+    phase_us: dict = field(default_factory=dict)
+    wall_us: float = 0.0
+    cuda_graph: bool = False
+
+    @property
+    def device_us(self) -> float:
+        return sum(self.phase_us.values())
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens per stream and step, bonus included."""
+        return self.accepted / max(self.stream_steps, 1)
+
+
+class _Stepper:
+    """Runs a step as a sequence of phase functions, eager or as one CUDA graph per phase."""
+    phases: tuple[str, ...] = ()
+
+    def __init__(self, sess: Session):
+        self.sess = sess
+        self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
+        self.graph_error: str | None = None
+        n = sess.n
+        self.active_n = torch.zeros(sess.max_new + 8, dtype=torch.long, device=sess.device)   # per step
+        self.tokens_n = torch.zeros_like(self.active_n)                    # capped at the limits
+        self.accepted_n = torch.zeros_like(self.active_n)
+        self.step_i = torch.zeros((), dtype=torch.long, device=sess.device)
+        self._ones = torch.ones(n, dtype=torch.long, device=sess.device)
+
+    def _fn(self, name):
+        return getattr(self, "_" + name)
+
+    def _record(self, active: torch.Tensor, count: torch.Tensor) -> None:
+        """Per-step counters (before `emit`): active streams, tokens gained, new outputs."""
+        s = self.sess
+        i = self.step_i.clamp(max=self.active_n.shape[0] - 1)
+        self.active_n.index_put_((i,), active.long().sum())
+        self.accepted_n.index_put_((i,), count.sum())
+        self.tokens_n.index_put_((i,), torch.minimum(count, (s.limit - s.n_out).clamp(min=0)).sum())
+        self.step_i += 1
+
+    def step(self) -> None:
+        for name in self.phases:
+            self._run(name)
+
+    def _run(self, name):
+        if self.graphs is not None:
+            self.graphs[name].replay()
+        else:
+            self._fn(name)()
+
+    @torch.no_grad()
+    def capture(self) -> bool:
+        """Warm up and capture one CUDA graph per phase (shared pool). Restores the
+        session after. Returns False (and keeps eager mode) when capture is impossible."""
+        sess = self.sess
+        if sess.device.type != "cuda":
+            return False
+        try:
+            side = torch.cuda.Stream(sess.device)
+            side.wait_stream(torch.cuda.current_stream(sess.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step()
+            torch.cuda.current_stream(sess.device).wait_stream(side)
+            torch.cuda.synchronize(sess.device)
+            pool = torch.cuda.graph_pool_handle()
+            graphs = {}
+            for name in self.phases:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._fn(name)()
+                graphs[name] = g
+            self.graphs = graphs
+        except Exception as e:  # noqa: BLE001 - any capture failure: report and stay eager
+            self.graphs = None
+            self.graph_error = f"{type(e).__name__}: {e}"
+            torch.cuda.synchronize(sess.device)
+        sess.restore()
+        self.reset_counters()
+        return self.graphs is not None
+
+    def reset_counters(self) -> None:
+        self.active_n.zero_()
+        self.tokens_n.zero_()
+        self.accepted_n.zero_()
+        self.step_i.zero_()
+
+    @torch.no_grad()
+    def run(self, max_steps: int | None = None, check_every: int = 8) -> RunStats:
+        """Step until every stream is done (checked every `check_every` steps, the only
+        host sync) and time each phase of each step."""
+        sess = self.sess
+        cuda = sess.device.type == "cuda"
+        max_steps = min(max_steps or sess.max_new, self.active_n.shape[0] - 1)
+        self.reset_counters()
+        marks: list[list] = []
+        t0 = time.perf_counter()
+        steps = 0
+        while steps < max_steps:
+            for _ in range(min(check_every, max_steps - steps)):
+                m = [self._stamp(cuda)]
+                for name in self.phases:
+                    self._run(name)
+                    m.append(self._stamp(cuda))
+                marks.append(m)
+                steps += 1
+            if bool(sess.done.all()):
+                break
+        if cuda:
+            torch.cuda.synchronize(sess.device)
+        wall = (time.perf_counter() - t0) * 1e6
+        active = self.active_n[:steps].tolist()
+        tokens = self.tokens_n[:steps].tolist()
+        accepted = self.accepted_n[:steps].tolist()
+        used = max([i + 1 for i, a in enumerate(active) if a > 0], default=0)   # drop idle tail steps
+        phase_us = {p: 0.0 for p in self.phases}
+        for m in marks[:used]:
+            for p, a, b in zip(self.phases, m, m[1:]):
+                phase_us[p] += a.elapsed_time(b) * 1e3 if cuda else (b - a) * 1e6
+        return RunStats(steps=used, tokens=int(sum(tokens[:used])), stream_steps=int(sum(active[:used])),
+                        accepted=int(sum(accepted[:used])),
+                        phase_us=phase_us, wall_us=wall * used / max(steps, 1), cuda_graph=self.graphs is not None)
+
+    @staticmethod
+    def _stamp(cuda):
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    @torch.no_grad()
+    def profile_verify(self) -> dict[str, float]:
+        """One eager step with the target's phases timed inside the verify forward
+        (attention, moe, comm, ...); returns those totals (us). Restores the session."""
+        timer = PhaseTimer(self.sess.device)
+        for name in self.phases:
+            if name == "verify":
+                with timer.active():
+                    self._verify()
+            else:
+                self._fn(name)()
+        self.sess.restore()
+        return timer.totals_us()
+
+
+class ARStep(_Stepper):
+    """Greedy autoregressive decoding: one target forward of one token per stream."""
+    phases = ("verify", "accept")
+
+    def __init__(self, sess: Session):
+        super().__init__(sess)
+        n, dev = sess.n, sess.device
+        self.vis = torch.ones(n, 1, 1, dtype=torch.bool, device=dev)
+        self.next = torch.zeros(n, dtype=torch.long, device=dev)
+
+    def _verify(self):
+        s = self.sess
+        logits, _ = s.model(s.bonus.view(-1, 1), s.prefix_len.view(-1, 1), s.cache, s.prefix_len, self.vis)
+        self.next = logits[:, 0].argmax(-1)
+
+    def _accept(self):
+        s = self.sess
+        active = ~s.done
+        count = active.long()
+        self._record(active, count)
+        s.prefix_len += count
+        s.bonus.copy_(torch.where(active, self.next, s.bonus))
+        s.emit(self.next.view(-1, 1), count)
+
+
+class SpecStep(_Stepper):
+    """One DDTree speculative step over every stream of `sess` (which needs a drafter)."""
+    phases = PHASES
+
+    def __init__(self, sess: Session, budget: int, topk: int | None = None,
+                 acceptance: Acceptance | None = None, kernels: str = "auto"):
+        super().__init__(sess)
+        self.kern = tree_kernels(kernels, sess.device)
+        if sess.drafter is None:
+            raise ConfigError("speculative decoding needs a drafter")
+        if not 1 <= budget <= 1024:
+            raise ConfigError(f"--budget {budget} must be in 1..1024")
+        if budget + 1 > sess.reach:
+            raise ConfigError(f"budget {budget} exceeds the session's max_budget {sess.reach - 1}")
+        dc = sess.drafter.dc
+        self.budget, self.depth = budget, dc.depth
+        self.topk = topk or min(budget, 16)
+        if not 1 <= self.topk <= sess.model.cfg.vocab:
+            raise ConfigError(f"top-K {self.topk} must be in 1..vocab")
+        dev = sess.device
+        self.acc_probs = torch.zeros(self.depth, device=dev)                  # [L]
+        self.acc_logp = torch.zeros(self.depth, self.topk, device=dev)        # [L, K]
+        self.set_acceptance(acceptance or Acceptance())
+
+    def set_acceptance(self, acc: Acceptance) -> None:
+        """Switch the acceptance mode; synthetic parameters live in device buffers, so the
+        captured graphs stay valid."""
+        if acc.mode not in ("real", "synthetic", "profile"):
+            raise ConfigError(f"unknown acceptance mode {acc.mode!r}")
+        if self.graphs is not None and (acc.mode == "real") != (self.acceptance.mode == "real"):
+            raise ConfigError("switching between real and drawn acceptance needs a fresh SpecStep")
+        self.acceptance = acc
+        if acc.probs is not None:
+            if len(acc.probs) != self.depth:
+                raise ConfigError(f"acceptance profile has {len(acc.probs)} depths, drafter drafts {self.depth}")
+            self.acc_probs.copy_(torch.tensor(acc.probs))
+            self.acc_logp.copy_(profile_logp(acc.probs, self.topk))
+
+    # phases ------------------------------------------------------------------------
+    def _draft(self):
+        s = self.sess
+        self.d_logits = s.drafter(s.bonus, s.prefix_len)                      # [N, L, vocab]
+
+    def _tree(self):
+        s = self.sess
+        logp, ids = self.kern.topk_from_logits(self.d_logits, self.topk)         # [N, L, K] each
+        if self.acceptance.mode != "real":
+            logp = self.acc_logp.expand_as(logp).contiguous()
+        tree = self.kern.build_tree(logp, ids, self.budget)
+        self.parent, self.depth_of, self.rank = tree.parent.long(), tree.depth.long(), tree.rank.long()
+        self.visible = tree.visible                                            # [N, T, T] bool
+        token = tree.token.long().clone()                                     # [N, T]
+        token[:, 0] = s.bonus
+        self.token = token
+
+    def _verify(self):
+        s = self.sess
+        positions = s.prefix_len.view(-1, 1) + self.depth_of                  # [N, T]
+        logits, self.hid = s.model(self.token, positions, s.cache, s.prefix_len, self.visible, s.hidden_layers)
+        self.argmax = logits.argmax(-1)                                       # [N, T]
+
+    def _accept(self):
+        s = self.sess
+        n, l1 = s.n, self.depth + 1
+        if self.acceptance.mode == "real":
+            acc, _, new_bonus = self.kern.greedy_accept(self.parent, self.token, self.argmax, self.depth)
+            acc = acc.long()                                                  # [N, L+1]
+        else:
+            u = torch.rand(n, self.depth, device=self.acc_probs.device)       # [N, L]
+            acc = rank0_path(self.parent, self.rank, self.depth_of, drawn_tokens(u, self.acc_probs), self.depth)
+            new_bonus = None
+        active = ~s.done
+        acc = torch.where(active.view(n, 1), acc, -1)                        # [N, L+1]
+        count = (acc >= 0).sum(-1)                                            # [N] tokens incl. bonus
+        last = acc.gather(1, (count - 1).clamp(min=0).view(n, 1))              # [N, 1] last accepted node
+        if new_bonus is None:
+            new_bonus = self.argmax.gather(1, last.clamp(min=0)).squeeze(1)
+        s.cache.commit(s.prefix_len, acc)
+        # outputs: accepted nodes after the root, then the new bonus token
+        toks = self.token.gather(1, acc.clamp(min=0))                        # [N, L+1]
+        emit = torch.cat([toks[:, 1:], toks[:, :1]], 1)                       # [N, L+1]
+        emit.scatter_(1, (count - 1).clamp(min=0).view(n, 1), new_bonus.long().view(n, 1))
+        self._record(active, count)
+        self.acc, self.count, self.new_bonus = acc, count, new_bonus.long()
+        s.emit(emit, count)
+
+    def _context(self):
+        s = self.sess
+        n, a = self.acc.shape
+        idx = self.acc.clamp(min=0).view(n, a, 1, 1).expand(n, a, *self.hid.shape[2:])
+        s.drafter.update(self.hid.gather(1, idx), s.prefix_len)              # [N, L+1, nl, H]
+        s.prefix_len += self.count
+        s.bonus.copy_(torch.where(self.count > 0, self.new_bonus, s.bonus))

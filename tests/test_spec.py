@@ -1,0 +1,195 @@
+"""The DDTree speculative loop on the tiny preset (CPU): lossless against plain greedy
+decoding, with a random drafter and with an oracle drafter that proposes the target's own
+greedy continuation; mixed prompt lengths; streams finishing mid-batch; acceptance modes."""
+import json
+
+import pytest
+import torch
+
+from engine.config import ConfigError, preset
+from engine.drafter import Drafter, drafter_config
+from engine.model import Transformer
+from engine.spec import (ARStep, Session, SpecStep, drawn_tokens, expected_tokens, parse_acceptance,
+                         profile_logp, rank0_path, read_profile, tau_probs)
+from engine.weights import init_random
+from kernels import ddtree
+
+NEW = 14
+
+
+@pytest.fixture(scope="module")
+def models():
+    cfg = preset("tiny")
+    target = Transformer(cfg, dtype=torch.float32)
+    init_random(target, 3)
+    drafter = Drafter(drafter_config(cfg), target, target.comm, dtype=torch.float32)
+    drafter.init_random(4)
+    return cfg, target, drafter
+
+
+def prompts_for(cfg, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, cfg.vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def greedy(target, prompts, limits):
+    """Plain greedy decoding of the target, one token per forward (no drafter)."""
+    s = Session(target, None, len(prompts), max_prompt=max(map(len, prompts)), max_new=max(limits))
+    s.prefill(prompts, limits)
+    ARStep(s).run()
+    return s.outputs()
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    cfg, target, _ = models
+    cases = {}
+    for name, lens, limits in [("c1", [7], [NEW]), ("c3", [4, 11, 6], [NEW, 5, NEW])]:
+        prompts = prompts_for(cfg, lens, seed=len(lens))
+        cases[name] = (prompts, limits, greedy(target, prompts, limits))
+    return cases
+
+
+class OracleDrafter(Drafter):
+    """Proposes the target's greedy continuation (from a table of the reference output),
+    with every `miss_every`-th drafted position wrong, so long paths are accepted and
+    committed and partial paths happen too. Context updates run as in the real drafter."""
+
+    def set_table(self, prompts, outputs, miss_every=0):
+        rows = [p + o for p, o in zip(prompts, outputs)]
+        width = self.ctx_k.shape[2] + self.block + 1
+        self.table = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, r in enumerate(rows):
+            self.table[b, :len(r)] = torch.tensor(r)
+        self.miss_every = miss_every
+
+    def forward(self, bonus, start):
+        n, depth = bonus.shape[0], self.dc.depth
+        pos = start.view(n, 1) + 1 + torch.arange(depth)                           # [N, L]
+        tok = self.table.gather(1, pos)
+        if self.miss_every:
+            wrong = (pos % self.miss_every) == 0
+            tok = torch.where(wrong, (tok + 1) % self.target[0].cfg.vocab, tok)
+        vocab = self.target[0].cfg.vocab
+        logits = torch.randn(n, depth, vocab, generator=torch.Generator().manual_seed(0))
+        return logits.scatter(2, tok.unsqueeze(-1), 20.0)
+
+
+def spec_run(target, drafter, prompts, limits, budget, kernels="ref", acceptance=None):
+    s = Session(target, drafter, len(prompts), max_prompt=max(map(len, prompts)), max_new=max(limits),
+                max_budget=budget)
+    s.prefill(prompts, limits)
+    stats = SpecStep(s, budget, acceptance=acceptance, kernels=kernels).run()
+    return s, stats
+
+
+@pytest.mark.parametrize("case,budget", [("c1", 1), ("c1", 6), ("c3", 5), ("c3", 24)])
+def test_random_drafter_is_lossless(models, reference, case, budget):
+    _, target, drafter = models
+    prompts, limits, ref = reference[case]
+    s, stats = spec_run(target, drafter, prompts, limits, budget)
+    assert s.outputs() == ref
+    assert stats.tokens == sum(limits) - len(limits)      # first token comes from prefill
+
+
+@pytest.mark.parametrize("case,budget,miss", [("c1", 8, 0), ("c3", 7, 0), ("c3", 20, 5)])
+def test_oracle_drafter_accepts_long_paths_losslessly(models, reference, case, budget, miss):
+    cfg, target, drafter = models
+    prompts, limits, ref = reference[case]
+    oracle = OracleDrafter(drafter.dc, target, target.comm, dtype=torch.float32)
+    oracle.load_state_dict(drafter.state_dict())
+    s = Session(target, oracle, len(prompts), max_prompt=max(map(len, prompts)), max_new=max(limits),
+                max_budget=budget)
+    oracle.set_table(prompts, ref, miss)
+    s.prefill(prompts, limits)
+    stats = SpecStep(s, budget, kernels="ref").run()
+    assert s.outputs() == ref
+    # a chain of depth L = 7 fits in any budget >= 7: whole blocks are accepted
+    assert stats.mean_accepted > (3.0 if miss else 5.0)
+    assert stats.steps < max(limits) // 2
+
+
+def test_triton_tree_kernels_in_the_loop(models, reference):
+    """The loop with kernels.ddtree's Triton kernels (interpreted on the CPU)."""
+    _, target, drafter = models
+    prompts, limits, ref = reference["c3"]
+    s, _ = spec_run(target, drafter, prompts, limits, 6, kernels="triton")
+    assert s.outputs() == ref
+
+
+def test_finished_streams_stand_still(models, reference):
+    """Stream 1 stops after 5 tokens while the others go on: its prefix, output and KV
+    stay put, and a restore replays the same run."""
+    _, target, drafter = models
+    prompts, limits, ref = reference["c3"]
+    s = Session(target, drafter, 3, max_prompt=11, max_new=NEW, max_budget=8)
+    s.prefill(prompts, limits)
+    step = SpecStep(s, 8, kernels="ref")
+    while not bool(s.done[1]):
+        step.step()
+    plen, kv = int(s.prefix_len[1]), s.cache.ckv[:, 1, :int(s.prefix_len[1])].clone()
+    step.run()
+    assert int(s.prefix_len[1]) == plen and torch.equal(s.cache.ckv[:, 1, :plen], kv)
+    assert s.outputs() == ref and len(ref[1]) == 5
+    s.restore()
+    step.run()
+    assert s.outputs() == ref
+
+
+def test_synthetic_acceptance_runs_real_shapes(models):
+    cfg, target, drafter = models
+    prompts = prompts_for(cfg, [5, 9], seed=9)
+    acc = parse_acceptance("synthetic:4", drafter.dc.depth)
+    torch.manual_seed(0)
+    s, stats = spec_run(target, drafter, prompts, [40, 40], 16, acceptance=acc)
+    assert stats.tokens == 78
+    assert 2.5 < stats.mean_accepted < 6.0
+    assert all(len(o) == 40 for o in s.outputs())
+
+
+# --- acceptance maths -----------------------------------------------------------------
+
+@pytest.mark.parametrize("tau,depth", [(1.0, 7), (3.0, 15), (6.0, 15), (9.0, 15), (16.0, 15)])
+def test_tau_probs_hit_the_mean(tau, depth):
+    probs = tau_probs(tau, depth)
+    assert len(probs) == depth and abs(expected_tokens(probs) - tau) < 1e-6
+
+
+def test_drawn_tokens_mean_and_rank0_walk():
+    """Draws have mean TAU; the walk follows the rank-0 chain of a real tree, matches a
+    Python walk, and is cut where the tree's chain ends."""
+    depth, k, n = 7, 4, 4000
+    probs = tau_probs(3.5, depth)
+    g = torch.Generator().manual_seed(0)
+    u = torch.rand(n, depth, generator=g)
+    want = drawn_tokens(u, torch.tensor(probs))
+    assert abs(want.float().mean().item() - 3.5) < 0.1 and int(want.min()) >= 1 and int(want.max()) <= depth + 1
+    logp = profile_logp(probs, k).expand(3, depth, k).contiguous()
+    ids = torch.randint(0, 100, (3, depth, k), generator=g)
+    for budget in (3, 12, 40):
+        tree = ddtree.build_tree_ref(logp, ids, budget)
+        w = torch.tensor([1, 4, depth + 1])
+        acc = rank0_path(tree.parent.long(), tree.rank.long(), tree.depth.long(), w, depth)
+        for b in range(3):
+            path, cur = [0], 0
+            while len(path) < int(w[b]):
+                kids = [j for j in range(budget + 1) if tree.parent[b, j] == cur and tree.rank[b, j] == 0]
+                if not kids:
+                    break
+                cur = kids[0]
+                path.append(cur)
+            assert acc[b].tolist() == path + [-1] * (depth + 1 - len(path))
+
+
+def test_profile_files(tmp_path):
+    (tmp_path / "p.json").write_text(json.dumps([0.9, 0.8, 0.5]))
+    assert read_profile(tmp_path / "p.json", 4) == (0.9, 0.8, 0.5, 0.0)
+    (tmp_path / "p.csv").write_text("depth,accept_prob\n1,0.9\n2,0.7\n# done\n")
+    assert read_profile(tmp_path / "p.csv", 2) == (0.9, 0.7)
+    acc = parse_acceptance(f"profile:{tmp_path / 'p.json'}", 3)
+    assert acc.mode == "profile" and abs(acc.tau - (1 + 0.9 + 0.72 + 0.36)) < 1e-9
+    (tmp_path / "bad.json").write_text("[1.5]")
+    for text in (f"profile:{tmp_path / 'bad.json'}", f"profile:{tmp_path / 'none.json'}", "synthetic:x",
+                 "synthetic:30", "greedy"):
+        with pytest.raises(ConfigError):
+            parse_acceptance(text, 7)
