@@ -175,6 +175,44 @@ def allreduce(
 
 
 # --- tree-bench ---
+@app.command("tree-bench")
+@user_errors
+def tree_bench(
+    budgets: str = typer.Option("16,32,64,128,256,512,1024", "--budgets", help="Tree budgets (nodes besides the root)."),
+    streams: str = typer.Option("1,10,32", "--streams", help="Concurrent streams (one tree each)."),
+    prefixes: str = typer.Option("1024,8192,32768", "--prefixes", help="Cached prefix lengths for attention."),
+    heads: str = typer.Option("8,64", "--heads", help="Attention heads per rank: 8 (TP 8) and 64 (TP 1)."),
+    topk: int = typer.Option(32, "--topk", help="Top-K tokens kept per drafter position."),
+    positions: int = typer.Option(15, "--positions", help="Drafter positions (block 16 - 1)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Cache, query and logits dtype: bf16, fp16 or fp32."),
+    kernels: str = typer.Option("topk,build,attn,accept,commit", "--kernels",
+                                help="Subset of topk,build,attn,accept,commit (accept adds accept_commit rows)."),
+    max_attn_gflop: float = typer.Option(3000.0, "--max-attn-gflop",
+                                         help="Skip attention configs above this many GFLOP per call."),
+    reps: int = typer.Option(20, "--reps", help="Timed repeats per row (median, p20, p80)."),
+    layers: int = typer.Option(61, "--layers", help="Layers folded into one commit call (engine-style) for the "
+                               "second commit row."),
+    name: Optional[str] = typer.Option(None, "--name", help="Result file name (default tree_bench_TIMESTAMP)."),
+    preset: str = PRESET, override: Optional[List[str]] = OVERRIDE, seed: int = SEED, out: Path = OUT,
+):
+    """Time the DDTree kernels: top-K, tree builder, tree-verify MLA attention, greedy accept, KV commit.
+
+    Sweeps budgets x streams (builder, accept, commit), and streams x prefix x heads x
+    T (T = 1 decode and T = budget + 1 tree verify) for attention, whose rows carry the KV
+    bytes, GB/s and % of the copy bandwidth measured in the same run, plus TFLOP/s.
+    Small kernels are timed as CUDA-graph replays, attention with CUDA events after an L2
+    flush. Without a GPU a tiny preset runs under the Triton interpreter (and says so).
+    Example: ddbench tree-bench --streams 10 --prefixes 8192 --heads 8
+    """
+    from ddbench.tree_bench import run
+
+    run(budgets=parse_int_list(budgets, "--budgets"), streams=parse_int_list(streams, "--streams"),
+        prefixes=parse_int_list(prefixes, "--prefixes"), heads=parse_int_list(heads, "--heads"),
+        topk=topk, positions=positions, dtype=dtype,
+        kernels=[k.strip() for k in kernels.split(",") if k.strip()], max_attn_gflop=max_attn_gflop,
+        reps=reps, layers=layers, preset=preset, override=override, seed=seed, out=out, name=name)
+
+
 # --- baseline ---
 @app.command()
 @user_errors

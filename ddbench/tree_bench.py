@@ -1,0 +1,293 @@
+"""`ddbench tree-bench`: time the DDTree kernels (DESIGN §5) over budgets, streams, prefix
+lengths and heads; one tidy CSV row per measurement.
+
+kernel     what is timed                                                   timing
+topk       `topk_from_logits` on drafter logits [streams, positions, vocab]  CUDA graph
+build      `build_tree` (builder + visibility) for one budget               CUDA graph
+attn       `mla_attention`, T = 1 (decode) or budget + 1 (tree verify)      events + L2 flush
+accept     `greedy_accept` on a built tree, planted accepted paths          CUDA graph
+commit     `commit_kv` on one layer's cache, and on all layers folded       CUDA graph
+accept_commit  accept then commit (one layer), the pair the engine runs     CUDA graph
+
+Attention rows carry the KV bytes read (streams x (prefix + T) x (latent + rope) x dtype
+bytes), the achieved GB/s on them, the device copy bandwidth measured in this run
+(`ddbench.timing.copy_bandwidth_gbps`, bytes read + written) and the percentage, plus
+FLOPs (all T x H query rows against all prefix + T positions) and TFLOP/s. Without a GPU
+the command runs a tiny preset under the Triton interpreter, and says so: those times
+say nothing about a GPU.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ddbench import UserError
+
+COLUMNS = ["kernel", "streams", "budget", "nodes", "t", "prefix", "heads", "topk", "positions",
+           "layers", "dtype", "time_us", "time_us_p20", "time_us_p80", "cuda_graph", "kv_bytes",
+           "bw_gbps", "copy_bw_gbps", "pct_copy_bw", "flops", "tflops", "max_abs_err",
+           "device"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KERNELS = ("topk", "build", "attn", "accept", "commit")
+TINY = dict(budgets=[8, 16], streams=[1, 2], prefixes=[32, 64], heads=[2], topk=4, positions=4,
+            vocab=256, dtype="fp32", reps=3, layers=2, latent=64, rope=16)
+
+
+def plan_attention(budgets, streams, prefixes, heads, max_gflop, latent=512, rope=64):
+    """[(streams, budget, t, prefix, heads)] with T = 1 (budget 0) and budget + 1, under the FLOP cap."""
+    jobs, skipped = [], 0
+    for b in streams:
+        for p in prefixes:
+            for h in heads:
+                for budget in [0, *budgets]:
+                    t = budget + 1
+                    if attn_flops(b, t, h, p, latent, rope) > max_gflop * 1e9:
+                        skipped += 1
+                        continue
+                    jobs.append((b, budget, t, p, h))
+    return jobs, skipped
+
+
+def attn_flops(b, t, h, prefix, dl, dr) -> float:
+    """QK (latent + rope) and PV FLOPs of every query row against every visible-range position."""
+    return 2.0 * b * t * h * (prefix + t) * (dl + dr + dl)
+
+
+def planted_argmax(tree, gen, n_pos):
+    """Target argmax per node that accepts a random-depth path (up to the tree's depth)."""
+    b, n = tree.parent.shape
+    am = torch.randint(0, 2**30, (b, n), generator=gen, device="cpu")
+    par, tok, dep = tree.parent.cpu(), tree.token.cpu(), tree.depth.cpu()
+    for s in range(b):
+        want = int(torch.randint(0, n_pos + 1, (1,), generator=gen))
+        deep = (dep[s] <= want).nonzero().flatten()
+        leaf = int(deep[dep[s][deep].argmax()])
+        while leaf > 0:
+            am[s, par[s, leaf]] = tok[s, leaf]
+            leaf = int(par[s, leaf])
+    return am.to(tree.parent.device)
+
+
+def run(*, budgets, streams, prefixes, heads, topk, positions, dtype, kernels, max_attn_gflop,
+        reps, layers, preset, override, seed, out, name):
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    console = Console()
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        # Triton kernels need the interpreter without a GPU; must be set before kernels import
+        os.environ["TRITON_INTERPRET"] = "1"
+    from ddbench.results import ResultWriter, run_metadata
+    from ddbench.timing import bench, copy_bandwidth_gbps
+    from engine.config import parse_overrides, preset as make_preset
+    from kernels.ddtree import build_tree, commit_kv, greedy_accept, max_nodes, topk_from_logits
+    from kernels.mla_attn import mla_attention, mla_attention_ref
+
+    bad = [k for k in kernels if k not in KERNELS]
+    if bad:
+        raise UserError(f"--kernels {bad}: choose from {', '.join(KERNELS)}")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose bf16, fp16 or fp32")
+    cfg = make_preset(preset, **parse_overrides(override))
+    latent, rope, vocab = cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.vocab
+    if not cuda:
+        console.print("[yellow]no CUDA GPU: running the tiny CPU preset under the Triton interpreter "
+                      "(budgets 8,16; streams 1,2; prefixes 32,64; 2 heads; fp32). These times say "
+                      "nothing about a GPU.[/yellow]")
+        budgets, streams, prefixes, heads = TINY["budgets"], TINY["streams"], TINY["prefixes"], TINY["heads"]
+        topk, positions, vocab, dtype, reps = TINY["topk"], TINY["positions"], TINY["vocab"], TINY["dtype"], TINY["reps"]
+        layers, latent, rope = TINY["layers"], TINY["latent"], TINY["rope"]
+    too_big = [b for b in budgets if b > min(max_nodes(positions, topk), 2046)]
+    if too_big:
+        raise UserError(f"--budgets {too_big}: at most {min(max_nodes(positions, topk), 2046)} nodes "
+                        f"for {positions} positions x top-{topk}")
+    if topk > vocab:
+        raise UserError(f"--topk {topk} > vocab {vocab}")
+    dev = torch.device("cuda" if cuda else "cpu")
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device="cpu").manual_seed(seed)          # small host-side draws
+    dgen = torch.Generator(device=dev).manual_seed(seed)           # bulk data, drawn on the device
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=dgen, device=dev).to(dt)
+    graph = cuda
+    device_name = torch.cuda.get_device_name(dev) if cuda else "cpu (Triton interpreter)"
+
+    copy_bw = copy_bandwidth_gbps(dev) if cuda else copy_bandwidth_gbps(dev, 2**24)
+    attn_jobs, skipped = plan_attention(budgets, streams, prefixes, heads, max_attn_gflop, latent, rope) if "attn" in kernels else ([], 0)
+    if skipped:
+        console.print(f"attn: skipping {skipped} configs above --max-attn-gflop {max_attn_gflop}")
+    n_jobs = (len(streams) * ("topk" in kernels) + len(streams) * len(budgets) * (("build" in kernels)
+              + 2 * ("accept" in kernels) + ("commit" in kernels)) + len(attn_jobs))
+    meta = run_metadata("tree_bench", preset=cfg.name, seed=seed, dtype=dtype, cpu_tiny=not cuda,
+                        copy_bw_gbps=copy_bw, latent=latent, rope=rope, vocab=vocab,
+                        attn_skipped_above_gflop=skipped)
+    base = {c: "" for c in COLUMNS}
+    base.update(dtype=dtype, topk=topk, positions=positions, device=device_name, copy_bw_gbps=round(copy_bw, 1))
+
+    def timed(fn, use_graph):
+        return bench(fn, device=dev, warmup=2 if cuda else 1, reps=reps, flush=not use_graph,
+                     graph=use_graph and graph, graph_ops=10)
+
+    with ResultWriter(out, "tree_bench", meta=meta, name=name) as rw, Progress(console=console) as prog:
+        task = prog.add_task("tree-bench", total=n_jobs)
+
+        def emit(**row):
+            st = row.pop("stats")
+            rw.write({**base, **row, **st.row(), "cuda_graph": st.cuda_graph})
+            prog.advance(task)
+
+        for b in streams:
+            logits = randn(b, positions, vocab) * 4
+            if "topk" in kernels:
+                emit(kernel="topk", streams=b, stats=timed(lambda: topk_from_logits(logits, topk), True))
+            lp, ids = topk_from_logits(logits, topk)
+            for budget in budgets:
+                n = budget + 1
+                common = dict(streams=b, budget=budget, nodes=n)
+                if "build" in kernels:
+                    emit(kernel="build", **common, stats=timed(lambda: build_tree(lp, ids, budget), True))
+                tree = build_tree(lp, ids, budget)
+                am = planted_argmax(tree, gen, positions)
+                if "accept" in kernels or "commit" in kernels:
+                    acc, _, _ = greedy_accept(tree.parent, tree.token, am, positions)
+                    s_len = 64 + n
+                    prefix = torch.full((b,), 64, device=dev, dtype=torch.int32)
+                    ckv = randn(b, s_len, latent)
+                    kpe = randn(b, s_len, rope)
+                if "accept" in kernels:
+                    emit(kernel="accept", **common,
+                         stats=timed(lambda: greedy_accept(tree.parent, tree.token, am, positions), True))
+
+                    def step():
+                        a, _, _ = greedy_accept(tree.parent, tree.token, am, positions)
+                        commit_kv(ckv, kpe, prefix, a)
+                    emit(kernel="accept_commit", **common, layers=1, stats=timed(step, True))
+                if "commit" in kernels:
+                    emit(kernel="commit", **common, layers=1,
+                         stats=timed(lambda: commit_kv(ckv, kpe, prefix, acc), True))
+                    # all layers folded into the stream dim, as engine.kv_cache.KVCache.commit does
+                    ckv_all = randn(layers * b, s_len, latent)
+                    kpe_all = randn(layers * b, s_len, rope)
+                    pre_all, acc_all = prefix.repeat(layers), acc.repeat(layers, 1)
+                    emit(kernel="commit", **common, layers=layers,
+                         stats=timed(lambda: commit_kv(ckv_all, kpe_all, pre_all, acc_all), True))
+                    del ckv_all, kpe_all
+
+        cache = {}
+        for b, budget, t, p, h in attn_jobs:
+            s_max = p + max(budgets) + 1
+            if (b, p) not in cache:
+                cache.clear()
+                cache[(b, p)] = (randn(b, s_max, latent), randn(b, s_max, rope))
+            ckv_full, kpe_full = cache[(b, p)]
+            ckv, kpe = ckv_full[:, :p + t], kpe_full[:, :p + t]
+            q_lat, q_rope = randn(b, t, h, latent), randn(b, t, h, rope)
+            plen = torch.full((b,), p, device=dev, dtype=torch.int32)
+            if budget:
+                lp_t, ids_t = topk_from_logits(randn(b, positions, vocab) * 4, topk)
+                vis = build_tree(lp_t, ids_t, budget).visible
+            else:
+                vis = torch.ones(b, 1, 1, dtype=torch.bool, device=dev)
+            scale = (cfg.qk_nope_dim + cfg.qk_rope_dim) ** -0.5
+            err = ""
+            if b * t * h * (p + t) <= 2e7:
+                ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, scale)
+                got = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale)
+                err = float((ref.float() - got.float()).abs().max())
+                del ref, got
+            st = timed(lambda: mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale), False)
+            kv_bytes = b * (p + t) * (latent + rope) * ckv.element_size()
+            fl = attn_flops(b, t, h, p, latent, rope)
+            bw = kv_bytes / (st.median_us * 1e-6) / 1e9
+            emit(kernel="attn", streams=b, budget=budget, nodes=t, t=t, prefix=p, heads=h,
+                 kv_bytes=kv_bytes, bw_gbps=round(bw, 1), pct_copy_bw=round(100 * bw / copy_bw, 1),
+                 flops=fl, tflops=round(fl / (st.median_us * 1e-6) / 1e12, 2), max_abs_err=err, stats=st)
+        rows = rw.rows
+
+    table = Table(title=f"tree-bench on {device_name} (copy {copy_bw:.0f} GB/s)"
+                        + ("  [CPU tiny preset, interpreter]" if not cuda else ""))
+    for c in ("kernel", "streams", "budget", "t", "prefix", "heads", "layers", "time_us", "pct_copy_bw", "tflops"):
+        table.add_column(c, justify="right")
+    for r in rows:
+        if r["kernel"] == "attn" and r["t"] not in (1, 17, 65) and cuda:
+            continue
+        table.add_row(*(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c])
+                        for c in ("kernel", "streams", "budget", "t", "prefix", "heads", "layers", "time_us",
+                                  "pct_copy_bw", "tflops")))
+    console.print(table)
+    console.print(f"wrote {rw.path}")
+    return rw.path
+
+
+def summary(csv_path) -> None:
+    """Print the issue's three GPU targets from a tree-bench CSV (used by scripts/gpu/tree.sh)."""
+    import pandas as pd
+
+    df = pd.read_csv(csv_path)
+
+    def pick(kernel, **eq):
+        g = df[df.kernel == kernel]
+        for k, v in eq.items():
+            g = g[g[k] == v]
+        return g
+
+    print(f"== tree-bench targets ({csv_path}) ==")
+    for budget in (64, 256, 512, 1024):
+        for r in pick("build", streams=10, budget=budget).itertuples():
+            print(f"builder   budget {budget:4d} x 10 streams: {r.time_us:8.1f} us (graph={r.cuda_graph})")
+    for r in pick("attn", streams=10, heads=8, prefix=8192).sort_values("t").itertuples():
+        ok = "OK " if r.pct_copy_bw >= 60 else "LOW"
+        print(f"attn {ok} 8 heads x 10 streams x 8k, T={r.t:4d}: {r.time_us:8.1f} us  {r.bw_gbps:7.0f} GB/s "
+              f"= {r.pct_copy_bw:5.1f}% of copy {r.copy_bw_gbps:.0f}  {r.tflops:6.1f} TFLOP/s  err {r.max_abs_err}")
+    for budget in (16, 64, 256, 512):
+        for r in pick("accept_commit", streams=10, budget=budget).itertuples():
+            ok = "OK " if r.time_us < 20 else "HIGH"
+            print(f"accept+commit {ok} 10 streams, budget {budget:4d}: {r.time_us:6.1f} us (graph={r.cuda_graph})")
+        for r in pick("commit", streams=10, budget=budget).itertuples():
+            print(f"  commit alone, {int(r.layers)} layer(s): {r.time_us:6.1f} us")
+
+
+def plot(results, out, fmt):
+    """Builder time vs budget; attention % of copy bandwidth vs prefix; accept/commit time."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from ddbench.report import save
+
+    runs = results.get("tree_bench", [])
+    if not runs:
+        return []
+    df = pd.concat([d.assign(run=Path(m["_path"]).stem) for d, m in runs], ignore_index=True)
+    made = []
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    ax = axes[0]
+    for (run, b), g in df[df.kernel == "build"].groupby(["run", "streams"]):
+        g = g.sort_values("budget")
+        ax.plot(g.budget, g.time_us, marker="o", label=f"{b} streams ({run})")
+    ax.set(xscale="log", yscale="log", xlabel="budget (nodes)", ylabel="time (us)", title="tree builder")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    att = df[df.kernel == "attn"]
+    for (run, b, h, t), g in att[att.t.isin([1, 17, 65])].groupby(["run", "streams", "heads", "t"]):
+        g = g.sort_values("prefix")
+        ax.plot(g.prefix, g.pct_copy_bw, marker="o", label=f"B={int(b)} H={int(h)} T={int(t)}")
+    ax.axhline(60, color="gray", ls="--", lw=1)
+    ax.set(xscale="log", xlabel="prefix (tokens)", ylabel="% of copy bandwidth (KV bytes)",
+           title="tree-verify MLA attention")
+    ax.legend(fontsize=6, ncol=2)
+    ax = axes[2]
+    for (run, k, b, layers), g in df[df.kernel.isin(["accept", "accept_commit", "commit"])].fillna({"layers": 0}).groupby(
+            ["run", "kernel", "streams", "layers"]):
+        g = g.sort_values("budget")
+        lab = f"{k} B={int(b)}" + (f" {int(layers)} layers" if k == "commit" and layers and layers > 1 else "")
+        ax.plot(g.budget, g.time_us, marker=".", label=lab)
+    ax.axhline(20, color="gray", ls="--", lw=1)
+    ax.set(xscale="log", yscale="log", xlabel="budget (nodes)", ylabel="time (us)", title="accept / commit")
+    ax.legend(fontsize=6, ncol=2)
+    made.append(("DDTree kernels (tree-bench)", save(fig, out, "tree_bench", fmt)))
+    return made
