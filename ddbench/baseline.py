@@ -13,6 +13,7 @@ SGLang bench_serving's definitions (DESIGN §6):
   -> last request ended); token counts come from the server (`meta_info` on the native
   `/generate`, `usage` on `/v1/completions`), never from counting chunks.
 - accept length = sum completion_tokens / sum spec_verify_ct over this run's own requests.
+- prompt tokens: the server's count (`prompt_tokens`), else the prompt's nominal length.
 
 Outputs: a per-request CSV (kind `baseline_requests`), a summary CSV with one row per
 concurrency level (kind `baseline`), and JSON sidecars that carry the server's own info
@@ -261,6 +262,8 @@ async def request_once(client, api: str, base: str, p: Prompt, index: int, timeo
         if api == "openai" and not o.usage_seen:
             o.completion_tokens = p.output_len  # the server sent no usage: ignore_eos length
             o.tokens_from = "requested"
+        if o.prompt_tokens is None:
+            o.prompt_tokens = p.prompt_len  # no server count: the prompt's nominal length
         o.finish()
         o.ok = True
     except (asyncio.TimeoutError, httpx.TimeoutException):
@@ -285,6 +288,7 @@ async def run_level(client, api: str, base: str, prompts: list[Prompt], n: int, 
     async def worker():
         for i, p in todo:
             o = await request_once(client, api, base, p, i, timeout, model)
+            o.start -= t0  # relative to the level's start
             outcomes.append(o)
             if on_done is not None:
                 on_done(o)
@@ -292,8 +296,6 @@ async def run_level(client, api: str, base: str, prompts: list[Prompt], n: int, 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(n, len(prompts)))))
     wall = time.perf_counter() - t0
-    for o in outcomes:
-        o.start -= t0  # relative to the level's start
     return sorted(outcomes, key=lambda o: o.index), wall
 
 
@@ -493,32 +495,35 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
          ResultWriter(out, "baseline", run_metadata("baseline", **common),
                       name=f"baseline_{stamp}") as sum_w:
         asyncio.run(main(req_w, sum_w))
-        if api == "sglang":
-            with_after = server_info(base, api, timeout) if sum_w.rows else {}
-            sum_w.meta["server_avg_spec_accept_length_after"] = _server_accept_length(with_after)
+        if api == "sglang":  # SGLang's own running average, for comparison with ours
+            try:
+                after = server_info(base, api, timeout)
+            except UserError:  # the server went away after the run: the rows stand
+                after = {}
+            sum_w.meta["server_avg_spec_accept_length_after"] = _server_accept_length(after)
         sum_w.meta["requests_csv"] = req_w.path.name
-    print_summary(sum_w.rows, console)
-    console.print(f"wrote {sum_w.path} and {req_w.path}")
+    stdout = Console(quiet=quiet)
+    print_summary(sum_w.rows, stdout)
+    stdout.print(f"wrote {sum_w.path} and {req_w.path}")
     return sum_w.path, req_w.path
 
 
 def print_summary(rows: list[dict], console=None) -> None:
+    """A short table of the summary rows (medians), on stdout."""
     from rich.console import Console
     from rich.table import Table
-
-    t = Table(title="baseline (bench_serving definitions)")
-    for col in ("label", "conc", "ok/failed", "out tok/s", "TTFT med ms", "TPOT med ms",
-                "ITL med ms", "E2E med ms", "accept len"):
-        t.add_column(col)
 
     def f(x, fmt="{:.1f}"):
         return "" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
+    labels = sorted({str(r["label"]) for r in rows})
+    t = Table(title=f"baseline {', '.join(labels)} (medians, bench_serving definitions)")
+    for col in ("conc", "ok", "failed", "out tok/s", "TTFT ms", "TPOT ms", "ITL ms", "E2E ms", "accept"):
+        t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(str(r["label"]), str(r["concurrency"]), f"{r['completed']}/{r['failed']}",
-                  f(r["output_tok_per_s"]), f(r["median_ttft_ms"]), f(r["median_tpot_ms"], "{:.2f}"),
-                  f(r["median_itl_ms"], "{:.2f}"), f(r["median_e2e_latency_ms"]),
-                  f(r["accept_length"], "{:.2f}"))
+        t.add_row(str(r["concurrency"]), str(r["completed"]), str(r["failed"]), f(r["output_tok_per_s"]),
+                  f(r["median_ttft_ms"]), f(r["median_tpot_ms"], "{:.2f}"), f(r["median_itl_ms"], "{:.2f}"),
+                  f(r["median_e2e_latency_ms"]), f(r["accept_length"], "{:.2f}"))
     (console or Console()).print(t)
 
 
@@ -657,6 +662,7 @@ def throughput_series(results: dict) -> list[tuple[str, str, list, list]]:
                 best = g.groupby("concurrency")["output_tok_per_s"].max().sort_index()
                 if len(best):
                     tag = name if kind == "baseline" else f"{kind}: {name}"
+                    tag += " (best of sweep)" if len(best) < len(g) else ""
                     series.append((tag, kind, list(best.index), list(best.values)))
     return series
 
@@ -664,6 +670,7 @@ def throughput_series(results: dict) -> list[tuple[str, str, list, list]]:
 def plot(results: dict, out: Path, fmt: str) -> list[tuple[str, Path]]:
     """Output tok/s vs concurrency (baseline + engine) and TTFT/TPOT distributions."""
     import matplotlib.pyplot as plt
+    import matplotlib.ticker as ticker
     import numpy as np
     import pandas as pd
 
@@ -683,6 +690,9 @@ def plot(results: dict, out: Path, fmt: str) -> list[tuple[str, Path]]:
             allc += conc
         if max(allc) / max(min(allc), 1) >= 8:
             ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(set(allc)))
+        ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
         ax.set_xlabel("concurrency (requests in flight)")
         ax.set_ylabel("output tok/s (all requests)")
         ax.set_title("Output throughput vs concurrency")

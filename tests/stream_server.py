@@ -9,12 +9,19 @@ It records how many requests are in flight (the count drops before the final byt
 so a client cannot start its next request before the drop) and can inject faults by arrival
 number (1-based): 'http500', 'reset' (TCP RST after the first event), 'malformed' (a broken
 JSON event), 'hang' (sleeps `hang_s`, then gives up). Listens on 127.0.0.1 only.
+
+`TestServer` runs it in a child process (so its threads never share a GIL with the client
+being measured) and reads its counters over GET /stats; POST /reset clears them and
+POST /config changes the schedule.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +58,11 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/get_server_info":
             self._json(200, {"model_path": "test/model", "tp_size": 1,
                              "internal_states": [{"avg_spec_accept_length": 3.0}]})
+        elif self.path == "/stats":
+            srv = self.server.owner
+            with srv.lock:
+                self._json(200, {"max_in_flight": srv.max_in_flight, "in_flight": srv.in_flight,
+                                 "arrivals": srv.arrivals, "bodies": srv.bodies})
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "test-model", "object": "model"}]})
         else:
@@ -65,9 +77,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._chunk(f"data: {text}\n\n".encode())
 
     def do_POST(self):
-        srv: TestServer = self.server.owner
+        srv: _State = self.server.owner
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         t0 = time.perf_counter()
+        if self.path == "/reset":
+            srv.reset_stats()
+            return self._json(200, {})
+        if self.path == "/config":
+            srv.schedule = dataclasses.replace(srv.schedule, **body)
+            return self._json(200, {})
         native = self.path == "/generate"
         if self.path not in ("/generate", "/v1/completions"):
             return self._json(404, {"error": f"no route {self.path}"})
@@ -151,21 +169,16 @@ class _Server(ThreadingHTTPServer):
         pass
 
 
-class TestServer:
-    """Start with `with TestServer(Schedule(...)) as s:`; `s.url`, `s.max_in_flight`, `s.bodies`."""
+class _State:
+    """Counters and schedule of the serving process."""
 
-    __test__ = False  # not a pytest class
-
-    def __init__(self, schedule: Schedule | None = None):
-        self.schedule = schedule or Schedule()
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
         self.lock = threading.Lock()
         self.in_flight = 0
         self.max_in_flight = 0
         self.arrivals = 0
         self.bodies: list[dict] = []
-        self.httpd = _Server(("127.0.0.1", 0), _Handler)
-        self.httpd.owner = self
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     def arrive(self, body: dict) -> int:
         with self.lock:
@@ -185,17 +198,73 @@ class TestServer:
             self.arrivals = 0
             self.bodies = []
 
+
+def serve(schedule: Schedule) -> None:
+    """Serve on a free loopback port; print the URL; stop when stdin closes."""
+    httpd = _Server(("127.0.0.1", 0), _Handler)
+    httpd.owner = _State(schedule)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    print(f"http://127.0.0.1:{httpd.server_address[1]}", flush=True)
+    sys.stdin.read()  # the parent closes our stdin (or dies): stop
+    httpd.shutdown()
+
+
+class TestServer:
+    """`with TestServer(Schedule(...)) as s:` -> `s.url`, `s.max_in_flight`, `s.bodies` ..."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, schedule: Schedule | None = None):
+        self.schedule = schedule or Schedule()
+
     def __enter__(self):
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                       daemon=True)
-        self.thread.start()
+        cfg = dataclasses.asdict(self.schedule)
+        self.proc = subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http://"):
+            self.__exit__()
+            raise RuntimeError("test server did not start")
         return self
 
     def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
         return False
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        import httpx
+
+        r = httpx.request(method, self.url + path, json=body, timeout=5, trust_env=False)
+        r.raise_for_status()
+        return r.json()
+
+    def stats(self) -> dict:
+        return self._call("GET", "/stats")
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.stats()["max_in_flight"]
+
+    @property
+    def arrivals(self) -> int:
+        return self.stats()["arrivals"]
+
+    @property
+    def bodies(self) -> list[dict]:
+        return self.stats()["bodies"]
+
+    def reset_stats(self) -> None:
+        self._call("POST", "/reset", {})
+
+    def configure(self, **fields) -> None:
+        """Change the schedule of the running server (e.g. gap_s=0.05)."""
+        self._call("POST", "/config", fields)
 
 
 def free_port() -> int:
@@ -203,3 +272,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    cfg["faults"] = {int(k): v for k, v in cfg.get("faults", {}).items()}
+    serve(Schedule(**cfg))

@@ -47,28 +47,30 @@ def measure(server, api, **kw):
 
 
 def test_sglang_multi_token_events_match_schedule(tmp_path):
-    # first event 1 token after 100 ms, then 4 tokens every 20 ms: 17 tokens = 1 + 4 x 4
-    sch = Schedule(ttft_s=0.10, gap_s=0.02, first=1, per_event=4)
+    # first event 1 token after 200 ms, then 4 tokens every 50 ms: 17 tokens = 1 + 4 x 4
+    ttft, gap = 0.2, 0.05
+    sch = Schedule(ttft_s=ttft, gap_s=gap, first=1, per_event=4)
     with TestServer(sch) as s:
         [row], reqs, summary, requests = measure(s, "sglang", out=tmp_path)
-        body = s.bodies[-1]
-    assert s.max_in_flight == 4
+        stats = s.stats()
+    body = stats["bodies"][-1]
+    assert stats["max_in_flight"] == 4
     assert isinstance(body["input_ids"], list) and len(body["input_ids"]) == 16
     assert body["sampling_params"]["max_new_tokens"] == 17 and body["sampling_params"]["ignore_eos"] is True
     assert body["stream"] is True
 
     assert row["completed"] == "8" and row["failed"] == "0" and row["source"] == "measured"
     assert num(row["total_output_tokens"]) == 8 * 17 and num(row["total_input_tokens"]) == 8 * 16
-    assert num(row["median_ttft_ms"]) == pytest.approx(100, rel=REL)
-    assert num(row["median_tpot_ms"]) == pytest.approx(4 * 20 / 16, rel=REL)  # (latency - ttft)/(out - 1)
-    assert num(row["median_itl_ms"]) == pytest.approx(20 / 4, rel=REL)  # each 4-token gap split 4 ways
-    assert num(row["mean_itl_ms"]) == pytest.approx(20 / 4, rel=REL)
-    assert num(row["median_e2e_latency_ms"]) == pytest.approx(100 + 4 * 20, rel=REL)
+    assert num(row["median_ttft_ms"]) == pytest.approx(1e3 * ttft, rel=REL)
+    assert num(row["median_tpot_ms"]) == pytest.approx(1e3 * 4 * gap / 16, rel=REL)  # (latency - ttft)/(out - 1)
+    assert num(row["median_itl_ms"]) == pytest.approx(1e3 * gap / 4, rel=REL)  # each 4-token gap split 4 ways
+    assert num(row["mean_itl_ms"]) == pytest.approx(1e3 * gap / 4, rel=REL)
+    assert num(row["median_e2e_latency_ms"]) == pytest.approx(1e3 * (ttft + 4 * gap), rel=REL)
     assert num(row["accept_length"]) == pytest.approx(17 / 4)  # completion / verify rounds, exact
     assert num(row["spec_verify_ct"]) == 8 * 4
-    # two waves of 4 requests of 180 ms each
-    assert num(row["output_tok_per_s"]) == pytest.approx(8 * 17 / (2 * 0.18), rel=2 * REL)
-    assert num(row["req_per_s"]) == pytest.approx(8 / (2 * 0.18), rel=2 * REL)
+    # two waves of 4 requests of ttft + 4 gaps each
+    assert num(row["output_tok_per_s"]) == pytest.approx(8 * 17 / (2 * (ttft + 4 * gap)), rel=REL)
+    assert num(row["req_per_s"]) == pytest.approx(8 / (2 * (ttft + 4 * gap)), rel=REL)
     assert num(row["measured_concurrency"]) == pytest.approx(4, rel=2 * REL)
     assert num(row["total_tok_per_s"]) == pytest.approx(
         num(row["output_tok_per_s"]) + num(row["input_tok_per_s"]))
@@ -77,6 +79,7 @@ def test_sglang_multi_token_events_match_schedule(tmp_path):
     assert sorted(int(r["index"]) for r in reqs) == list(range(8))
     assert all(r["completion_tokens"] == "17" and num(r["accept_length"]) == 4.25 for r in reqs)
     assert all(r["events"] == "5" and num(r["server_e2e_latency_ms"]) > 0 for r in reqs)
+    assert all(0 <= num(r["start_s"]) < 2 for r in reqs)  # seconds since the level started
 
     meta = json.loads(summary.with_suffix(".json").read_text())
     assert meta["kind"] == "baseline" and meta["completed"] is True and meta["api"] == "sglang"
@@ -87,21 +90,23 @@ def test_sglang_multi_token_events_match_schedule(tmp_path):
 
 
 def test_openai_single_token_chunks_with_usage(tmp_path):
-    sch = Schedule(ttft_s=0.10, gap_s=0.02, usage="continuous")
+    ttft, gap, n = 0.2, 0.05, 8
+    sch = Schedule(ttft_s=ttft, gap_s=gap, usage="continuous")
     with TestServer(sch) as s:
-        [row], reqs, *_ = measure(s, "openai", concurrency=[3], num_prompts=6, output_len=12,
+        [row], reqs, *_ = measure(s, "openai", concurrency=[3], num_prompts=6, output_len=n,
                                   out=tmp_path)
-        body = s.bodies[-1]
-    assert body["model"] == "test-model" and body["max_tokens"] == 12 and body["ignore_eos"] is True
+        stats = s.stats()
+    body = stats["bodies"][-1]
+    assert body["model"] == "test-model" and body["max_tokens"] == n and body["ignore_eos"] is True
     assert body["stream"] is True and len(body["prompt"].split()) == 16
-    assert s.max_in_flight == 3
-    assert row["completed"] == "6" and num(row["total_output_tokens"]) == 6 * 12
-    assert num(row["median_ttft_ms"]) == pytest.approx(100, rel=REL)
-    assert num(row["median_tpot_ms"]) == pytest.approx(20, rel=REL)
-    assert num(row["median_itl_ms"]) == pytest.approx(20, rel=REL)
-    assert num(row["p90_itl_ms"]) == pytest.approx(20, rel=REL)
-    assert num(row["median_e2e_latency_ms"]) == pytest.approx(100 + 11 * 20, rel=REL)
-    assert num(row["output_tok_per_s"]) == pytest.approx(6 * 12 / (2 * 0.32), rel=2 * REL)
+    assert stats["max_in_flight"] == 3
+    assert row["completed"] == "6" and num(row["total_output_tokens"]) == 6 * n
+    assert num(row["median_ttft_ms"]) == pytest.approx(1e3 * ttft, rel=REL)
+    assert num(row["median_tpot_ms"]) == pytest.approx(1e3 * gap, rel=REL)
+    assert num(row["median_itl_ms"]) == pytest.approx(1e3 * gap, rel=REL)
+    assert num(row["p90_itl_ms"]) == pytest.approx(1e3 * gap, rel=REL)
+    assert num(row["median_e2e_latency_ms"]) == pytest.approx(1e3 * (ttft + (n - 1) * gap), rel=REL)
+    assert num(row["output_tok_per_s"]) == pytest.approx(6 * n / (2 * (ttft + (n - 1) * gap)), rel=REL)
     assert row["accept_length"] == ""  # no verify counts on this API
     assert all(r["tokens_from"] == "server" and r["prompt_tokens"] == "16" for r in reqs)
 
@@ -109,7 +114,8 @@ def test_openai_single_token_chunks_with_usage(tmp_path):
 @pytest.mark.parametrize("usage,tokens_from", [("final", "server"), ("none", "requested")])
 def test_openai_multi_token_chunks_without_per_chunk_usage(usage, tokens_from):
     # 3 tokens per event, counts only at the end (or never): gaps split by the mean tokens/event
-    sch = Schedule(ttft_s=0.05, gap_s=0.03, first=3, per_event=3, usage=usage)
+    gap = 0.05
+    sch = Schedule(ttft_s=0.05, gap_s=gap, first=3, per_event=3, usage=usage)
     prompts = bl.make_prompts("random", 4, 8, 12, "openai")
 
     async def go():
@@ -120,13 +126,13 @@ def test_openai_multi_token_chunks_without_per_chunk_usage(usage, tokens_from):
         outs, wall = asyncio.run(go())
     row = bl.summarize(outs, wall)
     assert row["completed"] == 4 and row["total_output_tokens"] == 4 * 12
-    assert all(o.tokens_from == tokens_from and o.events == 4 for o in outs)
-    assert row["median_itl_ms"] == pytest.approx(30 / 3, rel=REL)
-    assert row["median_tpot_ms"] == pytest.approx(3 * 30 / 11, rel=REL)
+    assert all(o.tokens_from == tokens_from and o.events == 4 and o.prompt_tokens == 8 for o in outs)
+    assert row["median_itl_ms"] == pytest.approx(1e3 * gap / 3, rel=REL)
+    assert row["median_tpot_ms"] == pytest.approx(1e3 * 3 * gap / 11, rel=REL)
 
 
 def test_exactly_n_in_flight():
-    sch = Schedule(ttft_s=0.02, gap_s=0.01)
+    sch = Schedule(ttft_s=0.05, gap_s=0.02)
     prompts = bl.make_prompts("random", 10, 4, 4, "sglang")
 
     async def go(n, ps):
@@ -242,7 +248,7 @@ def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
         assert len(rows(reqs)) == 6
 
         # Ctrl-C mid-run: finished requests stay on disk, the sidecar says incomplete
-        s.schedule.gap_s = 0.05
+        s.configure(gap_s=0.05)
         proc = subprocess.Popen([sys.executable, "-m", "ddbench", "baseline", "--url", s.url, "-c", "1",
                                  "--num-prompts", "50", "--input-len", "4", "--output-len", "4",
                                  "--warmup", "0", "--out", str(tmp_path / "b")], cwd=ROOT,
@@ -366,7 +372,7 @@ def test_report_plots_baseline_and_engine(tmp_path):
     series = {name: (conc, tps) for name, _, conc, tps in bl.throughput_series(results)}
     assert series["SGLang 8x RTX PRO 6000 TP-8 (reported)"] == ([1, 10], [138.0, 517.0])
     assert series["local"] == ([1, 4], [50.0, 150.0])
-    assert series["e2e: ddtree"] == ([1, 10], [220.0, 700.0])  # best of the sweep at c=1
+    assert series["e2e: ddtree (best of sweep)"] == ([1, 10], [220.0, 700.0])  # best of the sweep at c=1
     assert series["e2e: ar"] == ([1], [90.0]) and series["decode: tp8"] == ([1], [80.0])
     drawn = bl.plot(results, tmp_path / "plots", "png") if (tmp_path / "plots").mkdir() is None else None
     assert [t for t, _ in drawn] == ["Output tok/s vs concurrency", "TTFT and TPOT distributions"]
