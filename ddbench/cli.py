@@ -241,11 +241,12 @@ def baseline(
 ):
     """Measure a live SGLang (or OpenAI-compatible) server at concurrency N.
 
-    A streaming client keeps exactly N requests in flight and reports, per level, SGLang
-    bench_serving's metrics: request/output/total throughput, TTFT, TPOT =
-    (latency - TTFT)/(out - 1), ITL (a multi-token chunk's gap split over its tokens), E2E
-    latency (mean/median/p90/p99), accept length = completion tokens / spec_verify_ct, and
-    failed requests. Writes baseline_*.csv (summary), baseline_requests_*.csv (per request)
+    Keeps exactly N streaming requests in flight and reports, per level, SGLang
+    bench_serving's metrics: request/output/total throughput, TTFT,
+    TPOT = (latency - TTFT)/(out - 1), ITL (a multi-token chunk's gap split
+    over its tokens), E2E latency (mean/median/p90/p99), accept length
+    (completion tokens / spec_verify_ct) and failed requests.
+    Writes baseline_*.csv (summary), baseline_requests_*.csv (per request)
     and JSON sidecars with the server's own info.
     """
     from ddbench import baseline as bl
