@@ -24,6 +24,7 @@ concurrency for baseline, e2e and decode summaries plus TTFT/TPOT distributions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -207,6 +208,8 @@ def _on_openai_event(o: Outcome, d: dict, now: float) -> None:
     if usage.get("prompt_tokens") is not None:
         o.prompt_tokens = int(usage["prompt_tokens"])
     if choices:
+        if choices[0].get("finish_reason") == "abort":
+            raise StreamError("server aborted the request (finish_reason abort)")
         text = choices[0].get("text") or ""
         if total is not None and total > o.completion_tokens:
             o.tokens(now, total - o.completion_tokens)
@@ -459,18 +462,29 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
     label = label or f"{api}@{urlsplit(base).netloc}"
     console = Console(stderr=True, quiet=quiet)
 
-    async def main(req_w, sum_w):
+    stamp = timestamp()
+    common = dict(url=base, api=api, model=model, label=label, dataset=dataset, seed=seed,
+                  concurrency=concurrency, num_prompts=num_prompts, input_len=input_len,
+                  output_len=output_len, warmup=warmup, timeout_s=timeout,
+                  server_info=info, source="measured")
+
+    async def main():
         limits = httpx.Limits(max_connections=max(concurrency) + warmup + 4,
                               max_keepalive_connections=max(concurrency) + warmup + 4)
         tmo = httpx.Timeout(timeout, connect=min(timeout, 10.0))
         async with httpx.AsyncClient(timeout=tmo, limits=limits, trust_env=False) as client:
-            if warmup:
+            if warmup:  # all at once; also opens that many connections
                 short = [Prompt(p.prompt, p.prompt_len, min(p.output_len, 16)) for p in prompts[:warmup]]
                 short += [short[i % len(short)] for i in range(len(short), warmup)]
                 outs, _ = await run_level(client, api, base, short, warmup, timeout, model)
                 if not any(o.ok for o in outs):
                     raise UserError(f"all {warmup} warmup request(s) to {base} failed: {outs[0].error}")
-            with Progress(console=console, transient=True) as bar:
+            with ResultWriter(out, "baseline_requests", run_metadata("baseline_requests", **common),
+                              name=f"baseline_requests_{stamp}") as req_w, \
+                 ResultWriter(out, "baseline", run_metadata("baseline", **common),
+                              name=f"baseline_{stamp}") as sum_w, \
+                 Progress(console=console, transient=True) as bar:
+                sum_w.meta["requests_csv"] = req_w.path.name
                 for c in concurrency:
                     todo = prompts[: num_prompts or default_num_prompts(c)]
                     task = bar.add_task(f"concurrency {c}", total=len(todo))
@@ -484,24 +498,16 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
                                  "label": label, "source": "measured", "api": api, "concurrency": c,
                                  "input_len": input_len if dataset == "random" else None,
                                  "output_len": output_len})
+                if api == "sglang":  # SGLang's own running average, beside ours
+                    try:
+                        r = await client.get(base + "/get_server_info", timeout=min(timeout, 10.0))
+                        after = {"/get_server_info": r.json()} if r.status_code == 200 else {}
+                    except (httpx.HTTPError, ValueError):
+                        after = {}
+                    sum_w.meta["server_avg_spec_accept_length_after"] = _server_accept_length(after)
+        return sum_w, req_w
 
-    stamp = timestamp()
-    common = dict(url=base, api=api, model=model, label=label, dataset=dataset, seed=seed,
-                  concurrency=concurrency, num_prompts=num_prompts, input_len=input_len,
-                  output_len=output_len, warmup=warmup, timeout_s=timeout,
-                  server_info=info, source="measured")
-    with ResultWriter(out, "baseline_requests", run_metadata("baseline_requests", **common),
-                      name=f"baseline_requests_{stamp}") as req_w, \
-         ResultWriter(out, "baseline", run_metadata("baseline", **common),
-                      name=f"baseline_{stamp}") as sum_w:
-        asyncio.run(main(req_w, sum_w))
-        if api == "sglang":  # SGLang's own running average, for comparison with ours
-            try:
-                after = server_info(base, api, timeout)
-            except UserError:  # the server went away after the run: the rows stand
-                after = {}
-            sum_w.meta["server_avg_spec_accept_length_after"] = _server_accept_length(after)
-        sum_w.meta["requests_csv"] = req_w.path.name
+    sum_w, req_w = asyncio.run(main())
     stdout = Console(quiet=quiet)
     print_summary(sum_w.rows, stdout)
     stdout.print(f"wrote {sum_w.path} and {req_w.path}")
@@ -560,17 +566,13 @@ def import_bench_serving(path: Path, out: Path, label: str | None = None) -> tup
     req_w = (ResultWriter(out, "baseline_requests", run_metadata("baseline_requests", **meta),
                           name=f"baseline_requests_import_{stamp}") if detailed else None)
     with ResultWriter(out, "baseline", run_metadata("baseline", **meta),
-                      name=f"baseline_import_{stamp}") as sum_w:
-        try:
-            for no, d in enumerate(results, 1):
-                row = _import_row(d, label or f"bench_serving {d.get('backend', '')}".strip(), no, path)
-                sum_w.write(row)
-                if req_w is not None and "ttfts" in d:
-                    for r in _import_requests(d, row["label"], row["concurrency"]):
-                        req_w.write(r)
-        finally:
-            if req_w is not None:
-                req_w.close()
+                      name=f"baseline_import_{stamp}") as sum_w, (req_w or contextlib.nullcontext()):
+        for no, d in enumerate(results, 1):
+            row = _import_row(d, label or f"bench_serving {d.get('backend', '')}".strip(), no, path)
+            sum_w.write(row)
+            if req_w is not None and "ttfts" in d:
+                for r in _import_requests(d, row["label"], row["concurrency"]):
+                    req_w.write(r)
     return sum_w.path, (req_w.path if req_w is not None else None)
 
 
@@ -663,7 +665,13 @@ def throughput_series(results: dict) -> list[tuple[str, str, list, list]]:
                 if len(best):
                     tag = name if kind == "baseline" else f"{kind}: {name}"
                     tag += " (best of sweep)" if len(best) < len(g) else ""
-                    series.append((tag, kind, list(best.index), list(best.values)))
+                    s = (tag, kind, [int(c) if float(c).is_integer() else float(c) for c in best.index],
+                         [float(v) for v in best.values])
+                    if s in series:
+                        continue  # the same data found twice (a copied file)
+                    if any(tag == t for t, *_ in series):  # same name, other data: say which file
+                        s = (f"{tag} [{Path(meta['_path']).stem}]",) + s[1:]
+                    series.append(s)
     return series
 
 

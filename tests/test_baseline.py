@@ -180,6 +180,8 @@ def test_stream_without_done_or_tokens_is_an_error():
                                               "finish_reason": {"type": "abort", "message": "oom"}}}, 1.0)
     with pytest.raises(bl.StreamError, match="choices"):
         bl._on_openai_event(o, {"usage": None}, 1.0)
+    with pytest.raises(bl.StreamError, match="abort"):
+        bl._on_openai_event(o, {"choices": [{"text": "", "finish_reason": "abort"}]}, 1.0)
 
 
 def test_summary_maths_on_hand_made_outcomes():
@@ -233,6 +235,7 @@ def test_failed_warmup_is_a_user_error(tmp_path):
         with pytest.raises(UserError, match="warmup"):
             bl.run(url=s.url, api="sglang", concurrency=[1], num_prompts=2, input_len=4, output_len=4,
                    out=tmp_path, quiet=True)
+    assert not list(tmp_path.iterdir())  # nothing written for a run that never started
 
 
 def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
@@ -354,6 +357,7 @@ def test_report_plots_baseline_and_engine(tmp_path):
     res.mkdir()
     for name in ("sglang_reference.csv", "sglang_reference.json"):
         (res / name).write_text((ROOT / "results" / "baseline" / name).read_text())
+        (res / f"copy_{name}").write_text((ROOT / "results" / "baseline" / name).read_text())
     with ResultWriter(res, "baseline", name="b1") as w:
         for c, t in ((1, 50.0), (4, 150.0)):
             w.write({**dict.fromkeys(bl.SUMMARY_COLUMNS), "label": "local", "concurrency": c,
@@ -369,7 +373,9 @@ def test_report_plots_baseline_and_engine(tmp_path):
         w.write({"label": "tp8", "concurrency": 1, "output_tok_per_s": 80.0})
 
     results = load([res])
-    series = {name: (conc, tps) for name, _, conc, tps in bl.throughput_series(results)}
+    found = bl.throughput_series(results)
+    series = {name: (conc, tps) for name, _, conc, tps in found}
+    assert len(found) == len(series) == 5  # the copied reference is drawn once
     assert series["SGLang 8x RTX PRO 6000 TP-8 (reported)"] == ([1, 10], [138.0, 517.0])
     assert series["local"] == ([1, 4], [50.0, 150.0])
     assert series["e2e: ddtree (best of sweep)"] == ([1, 10], [220.0, 700.0])  # best of the sweep at c=1
