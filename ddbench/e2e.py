@@ -1,0 +1,404 @@
+"""`ddbench e2e`: the DDTree speculative engine at concurrency N, beside AR and SGLang.
+
+For each concurrency c: random prompts, one prefill (shared by every run at that c), then
+plain greedy autoregressive decoding (AR) and DDTree speculative decoding at every
+`--budget` x `--acceptance`, each from the same post-prefill state. One CSV row per run
+(kind `e2e`).
+
+How a run is timed (engine/spec.py has the loop):
+
+- each step is five phases (draft, tree = top-K + build, verify, accept = greedy accept +
+  KV commit + outputs, context = drafter context update); on a GPU each phase is one
+  CUDA graph per (c, budget) and a CUDA event sits between phases, so every phase time is
+  measured on the GPU timeline (launch gaps included). `step_us` = their sum per step.
+- the verify phase is split into attention / MoE / other by the proportions of one eager
+  verify forward timed with `engine.phases.PhaseTimer` (after a GPU head start so the
+  events see GPU time, as `ddbench decode` does).
+- `host_us` = wall-clock per step minus `step_us` (host time the GPU did not hide).
+- `comm_us`: with `--simulate-rank`, the modelled all-reduce / all-gather time of one
+  step (the stand-ins in the measured step do no communication); 0 at tp=1.
+- `step_total_us` = step + host + comm; `output_tok_per_s` = new tokens / (steps x
+  step_total): for a simulated rank this is the projected TP-n throughput.
+- bytes floor: weights a step must read (dense, routed experts touched by c x (budget+1)
+  tokens under uniform routing, lm_head twice for spec, drafter) + KV and drafter context
+  read, / the copy bandwidth measured in the run. `floor_ratio` = step_total / (floor + comm).
+
+Acceptance: `real` (the true greedy walk), `synthetic:TAU`, `profile:FILE` (engine/spec.py).
+Every row carries `acceptance`; AR rows say `none`.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ddbench import UserError
+
+PHASE_COLS = ("draft", "tree", "verify_attention", "verify_moe", "verify_other", "accept", "comm", "host")
+
+
+def parse_prompt_lens(text: str) -> list[int]:
+    """'128' or '100,300' (cycled over streams) -> list of prompt lengths."""
+    from ddbench.cli import parse_int_list
+
+    lens = parse_int_list(text, "--prompt-len")
+    if min(lens) < 1:
+        raise UserError("--prompt-len values must be >= 1")
+    return lens
+
+
+def verify_split(profile: dict, verify_us: float) -> dict:
+    """Split the measured verify time by the eager profile's proportions."""
+    attn, moe = profile.get("attention", 0.0), profile.get("moe", 0.0)
+    total = sum(v for k, v in profile.items() if k != "end") or 1.0
+    return {"verify_attention": verify_us * attn / total, "verify_moe": verify_us * moe / total,
+            "verify_other": verify_us * (total - attn - moe) / total}
+
+
+def step_floor_bytes(model, drafter, c: int, budget: int, context: float, max_len: int) -> dict:
+    """Bytes one step must read at least (budget 0: an AR step, no drafter)."""
+    from engine.decode import step_bytes
+
+    cfg = model.cfg
+    tokens = c * (budget + 1)
+    b = step_bytes(model, tokens, 0.0)
+    per_tok = cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_dim) * model.dtype.itemsize
+    kv = c * (context + budget + 1) * per_tok
+    draft = 0
+    if budget > 0:
+        dc = drafter.dc
+        head = model.head.weight
+        draft = (drafter.weight_bytes() + head.numel() * head.element_size()
+                 + dc.n_layers * c * max_len * dc.n_local_kv_heads * dc.head_dim * 2 * drafter.ctx_k.element_size())
+    return {"weight_bytes": b["weight_bytes"], "kv_bytes": kv, "draft_bytes": draft,
+            "experts_touched": b["experts_touched"], "total": b["weight_bytes"] + kv + draft}
+
+
+def _fmt(x, nd=2):
+    return None if x is None else round(float(x), nd)
+
+
+def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, acc, copy_bw, prompt_lens,
+                   new_tokens: int, seed: int) -> dict:
+    """Profile one eager step, run the decode, return the CSV row."""
+    comm = sess.model.comm
+    sess.restore()
+    if hasattr(comm, "reset"):
+        comm.reset()
+    prof = stepper.profile_verify()
+    comm_us = comm.modelled_us if getattr(comm, "simulated", False) else 0.0
+    sess.restore()
+    torch.manual_seed(seed)
+    st = stepper.run()
+    steps = max(st.steps, 1)
+    ph = {k: v / steps for k, v in st.phase_us.items()}
+    step_us = st.device_us / steps
+    host_us = max(0.0, st.wall_us / steps - step_us)
+    total_us = step_us + host_us + comm_us
+    split = verify_split(prof, ph["verify"])
+    context = sum(prompt_lens) / len(prompt_lens) + new_tokens / 2
+    fb = step_floor_bytes(sess.model, sess.drafter, c, budget, context, sess.max_len)
+    floor = fb["total"] / (copy_bw * 1e3) if copy_bw else None
+    tau = getattr(acc, "tau", None)
+    return {
+        **base, "label": label, "decoder": "ddtree" if budget else "ar",
+        "acceptance": acc.label if budget else "none", "acceptance_mode": acc.mode if budget else "none",
+        "tau_target": _fmt(tau, 3) if budget else None,
+        "concurrency": c, "budget": budget, "topk": getattr(stepper, "topk", 0),
+        "prompt_len": " ".join(map(str, sorted(set(prompt_lens)))), "new_tokens": new_tokens,
+        "cuda_graph": st.cuda_graph, "graph_error": stepper.graph_error or "",
+        "steps": st.steps, "tokens": st.tokens, "mean_accepted": _fmt(st.mean_accepted, 3),
+        "step_us": _fmt(step_us), "host_us": _fmt(host_us), "comm_us": _fmt(comm_us),
+        "step_total_us": _fmt(total_us),
+        "steps_per_s": _fmt(1e6 / total_us), "output_tok_per_s": _fmt(st.tokens / (steps * total_us) * 1e6),
+        "measured_tok_per_s": _fmt(st.tokens / st.wall_us * 1e6 * st.steps / steps) if st.wall_us else None,
+        "draft_us": _fmt(ph.get("draft", 0.0) + ph.get("context", 0.0)),
+        "draft_forward_us": _fmt(ph.get("draft", 0.0)), "context_us": _fmt(ph.get("context", 0.0)),
+        "tree_us": _fmt(ph.get("tree", 0.0)), "verify_us": _fmt(ph["verify"]),
+        **{f"{k}_us": _fmt(v) for k, v in split.items()},
+        "accept_us": _fmt(ph["accept"]),
+        "weight_bytes": int(fb["weight_bytes"]), "kv_bytes": int(fb["kv_bytes"]), "draft_bytes": int(fb["draft_bytes"]),
+        "experts_touched": _fmt(fb["experts_touched"]), "copy_bw_gbps": _fmt(copy_bw),
+        "floor_us": _fmt(floor), "floor_plus_comm_us": _fmt(floor + comm_us) if floor else None,
+        "floor_ratio": _fmt(total_us / (floor + comm_us), 3) if floor else None,
+    }
+
+
+def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prompt_lens: list[int],
+                    new_tokens: int, topk: int | None, graph: bool, copy_bw, base: dict, seed: int,
+                    on_row, progress=None, kernels: str = "auto") -> None:
+    """Prefill c streams once, then AR and every budget x acceptance from that state."""
+    from engine.spec import ARStep, Session, SpecStep
+
+    g = torch.Generator().manual_seed(seed + c)
+    lens = [prompt_lens[b % len(prompt_lens)] for b in range(c)]
+    prompts = [torch.randint(0, model.cfg.vocab, (n,), generator=g).tolist() for n in lens]
+    sess = Session(model, drafter, c, max_prompt=max(lens), max_new=new_tokens, max_budget=max(budgets))
+    cuda = model.device.type == "cuda"
+    t0 = time.perf_counter()
+    sess.prefill(prompts, new_tokens)
+    if cuda:
+        torch.cuda.synchronize(model.device)
+    prefill_s = time.perf_counter() - t0
+    use_graph = graph and cuda and model.moe_backend != "torch"    # the torch MoE reference syncs
+    base = {**base, "prefill_s": round(prefill_s, 3)}
+
+    def go(stepper, budget, acc, label):
+        if use_graph and stepper.graphs is None and stepper.graph_error is None:
+            stepper.capture()
+        row = measure_config(sess, stepper, label, base, c, budget, acc, copy_bw, lens, new_tokens, seed)
+        on_row(row)
+        if progress is not None:
+            progress()
+
+    ar = ARStep(sess)
+    go(ar, 0, None, "engine AR")
+    del ar
+    for budget in budgets:
+        real = [a for a in accs if a.mode == "real"]
+        drawn = [a for a in accs if a.mode != "real"]
+        for group in (real, drawn):
+            if not group:
+                continue
+            step = SpecStep(sess, budget, topk, group[0], kernels=kernels)
+            for acc in group:
+                step.set_acceptance(acc)
+                go(step, budget, acc, f"engine DDTree {acc.label}")
+            del step
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+def baseline_rows(paths=(Path("results/baseline"),)) -> list[dict]:
+    """SGLang (or other) baseline summary rows (kind 'baseline') found under `paths`."""
+    from ddbench.results import read_results
+
+    rows = []
+    for p in paths:
+        if not Path(p).exists():
+            continue
+        import pandas as pd
+
+        for csv_path, meta in read_results([p]):
+            if meta.get("kind") != "baseline":
+                continue
+            try:
+                df = pd.read_csv(csv_path)
+            except (ValueError, OSError):
+                continue
+            for _, r in df.iterrows():
+                if str(r.get("output_tok_per_s")) not in ("", "nan"):
+                    rows.append({"label": str(r.get("label", meta.get("label", "baseline"))),
+                                 "concurrency": int(r["concurrency"]),
+                                 "output_tok_per_s": float(r["output_tok_per_s"])})
+    return rows
+
+
+def print_table(console, rows: list[dict], baseline: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if not console.is_terminal:          # logs and pipes: do not squeeze 18 columns into 80
+        console = Console(width=max(console.width, 200))
+
+    t = Table(title="ddbench e2e (us per step; total = step + host + modelled comm; tok/s projected when simulated)")
+    cols = ("c", "decoder", "budget", "acceptance", "acc len", "graph", "total us", "tok/s", "x AR",
+            "draft", "tree", "v-attn", "v-moe", "v-other", "accept", "comm", "host", "x floor")
+    for col in cols:
+        t.add_column(col, justify="right")
+    ar = {r["concurrency"]: r["output_tok_per_s"] for r in rows if r["decoder"] == "ar"}
+    f0 = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    for c in sorted({r["concurrency"] for r in rows}):
+        for r in [r for r in rows if r["concurrency"] == c]:
+            speed = r["output_tok_per_s"] / ar[c] if ar.get(c) else None
+            t.add_row(str(c), r["decoder"], str(r["budget"] or "-"), r["acceptance"], f"{r['mean_accepted']:.2f}",
+                      "y" if r["cuda_graph"] else "n", f0(r["step_total_us"]), f"{r['output_tok_per_s']:.1f}",
+                      "-" if speed is None else f"{speed:.2f}",
+                      *(f0(r[f"{p}_us"]) for p in PHASE_COLS),
+                      "-" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}")
+        for b in [b for b in baseline if b["concurrency"] == c]:
+            t.add_row(str(c), "baseline", "-", b["label"], "-", "-", "-", f"{b['output_tok_per_s']:.1f}",
+                      *(["-"] * (len(cols) - 8)), style="dim")
+    console.print(t)
+
+
+def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | None, concurrency: list[int],
+        budgets: list[int], acceptance: list[str], prompt_len: str, new_tokens: int, checkpoint: Path | None,
+        allreduce_model: str | None, moe_backend: str, attn_backend: str, graph: bool, init: str,
+        topk: int | None, seed: int, out: Path, override: list[str] | None,
+        baseline: Path = Path("results/baseline")) -> Path:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from ddbench.decode import allreduce_predictor, build_model, pick_backends
+    from ddbench.results import ResultWriter, run_metadata
+    from engine.config import parse_overrides, preset as make_preset
+    from engine.drafter import Drafter, drafter_config
+    from engine.parallel import LocalComm, SimComm
+    from engine.spec import parse_acceptance
+
+    console = Console()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if tp < 1:
+        raise UserError(f"--tp {tp}: must be >= 1")
+    if tp > 1 and simulate_rank is None:
+        raise UserError("ddbench e2e runs a real TP group only through --simulate-rank for now "
+                        "(one rank's shard, modelled communication); pass --simulate-rank 0")
+    if gpus not in (None, 1):
+        raise UserError(f"--gpus {gpus}: e2e runs on one device (use --tp N --simulate-rank R)")
+    if simulate_rank is not None and not 0 <= simulate_rank < tp:
+        raise UserError(f"--simulate-rank {simulate_rank} is not a rank of --tp {tp}")
+    if new_tokens < 2:
+        raise UserError("--new-tokens must be >= 2")
+    if any(c < 1 for c in concurrency):
+        raise UserError("--concurrency values must be >= 1")
+    if any(not 1 <= b <= 1024 for b in budgets):
+        raise UserError("--budget values must be in 1..1024")
+    if topk is not None and topk < 1:
+        raise UserError("--topk must be >= 1")
+    if init not in ("auto", "exact", "shard"):
+        raise UserError(f"--init {init!r}: choose auto, exact or shard")
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise UserError(f"--checkpoint {checkpoint}: no such directory")
+    lens = parse_prompt_lens(prompt_len)
+    if preset is None:
+        preset = "k2.6" if cuda else "tiny"
+        if not cuda and checkpoint is None:
+            console.print("note: no GPU, so the tiny preset (pass --preset to choose)")
+    rank = simulate_rank or 0
+    if checkpoint is not None:
+        from engine.checkpoint import read_config
+        cfg = read_config(checkpoint, tp, rank)
+    else:
+        cfg = make_preset(preset, tp=tp, rank=rank, **parse_overrides(override))
+    dc = drafter_config(cfg)
+    accs = [parse_acceptance(a.strip(), dc.depth) for a in acceptance if a.strip()]
+    if not accs:
+        raise UserError("--acceptance: give at least one of real, synthetic:TAU, profile:FILE")
+    moe, attn = pick_backends(device, moe_backend, attn_backend)
+    predict, model_desc = (None, None)
+    if tp > 1:
+        predict, model_desc = allreduce_predictor(allreduce_model, tp)
+    mode = "simulated" if tp > 1 else "single"
+    base = {"preset": cfg.name, "tp": tp, "rank": rank, "mode": mode, "moe_backend": moe, "attn_backend": attn,
+            "device": str(device), "checkpoint": str(checkpoint) if checkpoint else "",
+            "drafter": f"{dc.n_layers}L {dc.n_heads}q/{dc.n_kv_heads}kv block {dc.block}"}
+    meta = run_metadata("e2e", preset=cfg.name, seed=seed, tp=tp, simulate_rank=simulate_rank, mode=mode,
+                        allreduce_model=model_desc, config=cfg.to_dict(), drafter=dict(vars(dc)),
+                        moe_backend=moe, attn_backend=attn, acceptance=[a.label for a in accs],
+                        method=__doc__.split("How a run is timed (engine/spec.py has the loop):")[1].strip())
+    n_rows = len(concurrency) * (1 + len(budgets) * len(accs))
+    with ResultWriter(out, "e2e", meta) as writer, Progress(console=console) as progress:
+        task = progress.add_task(f"init {cfg.name} tp={tp} rank {rank}", total=n_rows)
+        comm = SimComm(tp, rank, predict) if tp > 1 else LocalComm()
+        t0 = time.perf_counter()
+        try:
+            model, used = build_model(cfg, comm, checkpoint, moe, attn, seed, device, init)
+            drafter = Drafter(dc, model, comm, device=device, dtype=model.dtype)
+            drafter.init_random(seed)
+        except torch.cuda.OutOfMemoryError as e:
+            raise UserError(f"out of GPU memory building {cfg.name} tp={tp} rank {rank}: {e}") from None
+        writer.meta.update(init=used, init_s=round(time.perf_counter() - t0, 2),
+                           drafter_weight_bytes=drafter.weight_bytes())
+        copy_bw = None
+        if cuda:
+            from ddbench.timing import copy_bandwidth_gbps
+            copy_bw = copy_bandwidth_gbps(device)
+            writer.meta["gpu_mem_allocated_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+        for c in concurrency:
+            progress.update(task, description=f"e2e {cfg.name} tp={tp} c={c}")
+            try:
+                run_concurrency(model, drafter, c, budgets, accs, lens, new_tokens, topk, graph, copy_bw,
+                                {**base, "init": used}, seed, writer.write, lambda: progress.advance(task))
+            except torch.cuda.OutOfMemoryError as e:
+                raise UserError(f"out of GPU memory at concurrency {c}: {e}") from None
+        if cuda:
+            writer.meta["gpu_mem_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    print_table(console, writer.rows, baseline_rows([baseline]))
+    console.print(f"wrote {writer.path}")
+    return writer.path
+
+
+# --- report plots ----------------------------------------------------------------------
+
+def _num(df, col):
+    import pandas as pd
+
+    return pd.to_numeric(df[col], errors="coerce")
+
+
+def plot(results: dict, out: Path, fmt: str) -> list[tuple[str, Path]]:
+    """tok/s vs concurrency (AR, DDTree per acceptance at its best budget, baseline),
+    stacked per-phase step time, and tok/s vs budget."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from ddbench.report import save
+
+    runs = results.get("e2e", [])
+    if not runs:
+        return []
+    df = pd.concat([d.assign(run=Path(m["_path"]).stem) for d, m in runs], ignore_index=True)
+    for col in ("concurrency", "budget", "output_tok_per_s", "step_total_us", *(f"{p}_us" for p in PHASE_COLS)):
+        df[col] = _num(df, col)
+    df["line"] = df["preset"].astype(str) + " tp" + df["tp"].astype(str) + " " + df["label"].astype(str)
+    drawn = []
+
+    # 1. tok/s vs concurrency
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for name, g in df.groupby("line"):
+        best = g.groupby("concurrency")["output_tok_per_s"].max().sort_index()
+        ax.plot(best.index, best.values, marker="o", label=name + (" (best budget)" if "DDTree" in name else ""))
+    for d, meta in results.get("baseline", []):
+        if {"concurrency", "output_tok_per_s"} <= set(d.columns):
+            d = d.assign(output_tok_per_s=_num(d, "output_tok_per_s"), concurrency=_num(d, "concurrency"))
+            d = d.dropna(subset=["concurrency", "output_tok_per_s"]).sort_values("concurrency")
+            ax.plot(d["concurrency"], d["output_tok_per_s"], marker="s", linestyle="--",
+                    label=str(d["label"].iloc[0]) if "label" in d.columns and len(d) else "baseline")
+    ax.set_xlabel("concurrency (streams)")
+    ax.set_ylabel("output tok/s (projected TP-n when simulated)")
+    ax.set_title("e2e: output throughput vs concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    drawn.append(("e2e: tok/s vs concurrency", save(fig, out, "e2e_throughput", fmt)))
+
+    # 2. stacked per-phase step time (AR and the best budget of each acceptance)
+    pick = df.loc[df.groupby(["line", "concurrency"])["output_tok_per_s"].idxmax()]
+    labels = [f"{r['label'].replace('engine ', '')}\nc={int(r['concurrency'])} b={int(r['budget'])}"
+              for _, r in pick.iterrows()]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels)), 4.8))
+    bottom = [0.0] * len(labels)
+    for p in PHASE_COLS:
+        vals = pick[f"{p}_us"].fillna(0).tolist()
+        ax.bar(range(len(labels)), vals, bottom=bottom, label=p)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    if "floor_plus_comm_us" in pick:
+        fl = _num(pick, "floor_plus_comm_us").tolist()
+        xs = [i for i, f in enumerate(fl) if f == f]
+        ax.scatter(xs, [fl[i] for i in xs], marker="x", color="red", zorder=3, label="bytes floor + comm")
+    ax.set_xticks(range(len(labels)), labels, fontsize=6)
+    ax.set_ylabel("time per step (us)")
+    ax.set_title("e2e: per-phase step time")
+    ax.legend(fontsize=6)
+    drawn.append(("e2e: per-phase step time", save(fig, out, "e2e_phases", fmt)))
+
+    # 3. tok/s vs budget
+    spec = df[df["decoder"] == "ddtree"]
+    if len(spec):
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        for (name, c), g in spec.groupby(["line", "concurrency"]):
+            g = g.groupby("budget")["output_tok_per_s"].max().sort_index()
+            ax.plot(g.index, g.values, marker="o", label=f"{name} c={int(c)}")
+        for (name, c), g in df[df["decoder"] == "ar"].groupby(["line", "concurrency"]):
+            ax.axhline(g["output_tok_per_s"].max(), linestyle=":", color="gray")
+            ax.annotate(f"AR c={int(c)}", (spec["budget"].min(), g["output_tok_per_s"].max()), fontsize=6)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree budget (nodes per stream)")
+        ax.set_ylabel("output tok/s")
+        ax.set_title("e2e: tok/s vs budget")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+        drawn.append(("e2e: tok/s vs budget", save(fig, out, "e2e_budget", fmt)))
+    return drawn
