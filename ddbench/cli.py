@@ -311,6 +311,62 @@ def decode(
 
 
 # --- e2e ---
+@app.command()
+@user_errors
+def e2e(
+    preset: Optional[str] = typer.Option(None, "--preset", help="Model preset: k2.6, k2.6-tp8-rank or tiny "
+                                         "(default k2.6 on a GPU, tiny on a CPU)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree of the model."),
+    simulate_rank: Optional[int] = typer.Option(None, "--simulate-rank",
+                                                help="Run only this rank's shard on one device; all-reduces "
+                                                     "are modelled (--allreduce-model)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Devices used (e2e runs on one: 1)."),
+    concurrency: str = typer.Option("1,10", "--concurrency", help="Streams decoded together: '1,10' or '1-4'."),
+    budget: str = typer.Option("16,32,64,128,256", "--budget", help="Tree budgets (nodes per stream and step)."),
+    acceptance: str = typer.Option("real", "--acceptance",
+                                   help="Comma list of: real (true greedy walk, lossless), synthetic:TAU "
+                                        "(accepted length drawn with mean TAU, bonus included), "
+                                        "profile:FILE (per-depth acceptance probabilities)."),
+    prompt_len: str = typer.Option("128", "--prompt-len", help="Random prompt tokens per stream; a list "
+                                                               "('100,300') is cycled over the streams."),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens generated per stream (first one from prefill)."),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint",
+                                              help="Hugging Face K2.6-layout checkpoint directory for the "
+                                                   "target (default: random weights; the drafter is random)."),
+    allreduce_model: Optional[str] = typer.Option(None, "--allreduce-model",
+                                                  help="All-reduce model for --simulate-rank: nvlink-h200 "
+                                                       "(default), pcie, lat_us=..,busbw_gbps=.. or an "
+                                                       "allreduce CSV."),
+    topk: Optional[int] = typer.Option(None, "--topk", help="Drafter top-K per position for the tree "
+                                                             "(default min(budget, 16))."),
+    moe_backend: str = typer.Option("auto", "--moe-backend", help="auto, torch or triton."),
+    attn_backend: str = typer.Option("auto", "--attn-backend", help="auto, torch or triton."),
+    graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA graphs per phase (GPU)."),
+    init: str = typer.Option("auto", "--init", help="Random init: auto, exact or shard."),
+    baseline: Path = typer.Option(Path("results/baseline"), "--baseline",
+                                  help="Folder with baseline CSVs (kind 'baseline') shown beside the engine."),
+    seed: int = SEED, out: Path = OUT,
+    override: Optional[List[str]] = OVERRIDE,
+):
+    """The DDTree speculative engine end to end: tok/s, accepted length and per-phase step time.
+
+    At each concurrency: prefill random prompts once, then plain greedy decoding (AR) and
+    DDTree speculative decoding at every budget x acceptance mode from the same state.
+    A step = draft -> top-K + tree build -> verify (one target forward over every
+    stream's tree) -> greedy accept + KV commit -> drafter context update, each phase a
+    CUDA graph on GPU. Reports output tok/s, steps/s, mean accepted length (bonus
+    included) and the per-step breakdown (draft, tree, verify attention / MoE / other,
+    comm, accept, host), with --simulate-rank the projected TP-n numbers (measured rank
+    compute + modelled communication), and the bytes floor. Tidy CSV (kind 'e2e'); the
+    table puts the SGLang baseline (from --baseline) beside the engine.
+    """
+    from ddbench.e2e import run
+
+    run(preset=preset, tp=tp, simulate_rank=simulate_rank, gpus=gpus,
+        concurrency=parse_int_list(concurrency, "--concurrency"), budgets=parse_int_list(budget, "--budget"),
+        acceptance=acceptance.split(","), prompt_len=prompt_len, new_tokens=new_tokens, checkpoint=checkpoint,
+        allreduce_model=allreduce_model, moe_backend=moe_backend, attn_backend=attn_backend, graph=graph,
+        init=init, topk=topk, seed=seed, out=out, override=override, baseline=baseline)
 
 
 def main():
