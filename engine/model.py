@@ -22,22 +22,43 @@ from engine.kv_cache import KVCache
 from engine.parallel import (ColumnParallelLinear, Comm, Linear, LocalComm, ParallelLMHead,
                              RowParallelLinear, VocabParallelEmbedding)
 from engine.phases import phase
-from engine.rope import apply_rope, rope_cos_sin, yarn_freqs
+from engine.rope import rope_cos_sin, yarn_freqs
+from kernels import fused_ops
 from kernels.moe import MarlinMoE, fused_moe, route
 
 
-class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, computed in fp32."""
+class Ops:
+    """The small fused ops of the step: Triton kernels (GPU) or their torch references."""
 
-    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+    def __init__(self, kind: str):
+        if kind not in ("torch", "triton"):
+            raise ConfigError(f"unknown fused-ops backend {kind!r}; choose torch or triton")
+        tri = kind == "triton"
+        self.kind = kind
+        self.rms_norm = fused_ops.rms_norm if tri else fused_ops.rms_norm_ref
+        self.kv_norm_rope_store = fused_ops.kv_norm_rope_store if tri else fused_ops.kv_norm_rope_store_ref
+        self.rope_ = fused_ops.rope_ if tri else fused_ops.rope_ref_
+        self.silu_mul = fused_ops.silu_mul if tri else fused_ops.silu_mul_ref
+
+    def route(self, x, gate, bias, top_k, scaling):
+        """Router: the reference is kernels.moe.route (fp32 gate GEMM); the Triton path runs the
+        gate GEMM in the model dtype (fp32 accumulate) and fuses sigmoid/top-k/renorm."""
+        if self.kind == "torch":
+            return route(x, gate, bias, top_k, scaling)
+        return fused_ops.route(F.linear(x, gate), bias, top_k, scaling)
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in fp32; with `residual`, first h = residual + x and
+    returns (norm(h), h) (one fused kernel)."""
+
+    def __init__(self, dim: int, eps: float, ops: Ops, device=None, dtype=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype), requires_grad=False)
 
-    def forward(self, x):
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+    def forward(self, x, residual=None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def _attention_fn(backend: str):
@@ -58,18 +79,18 @@ class MLA(nn.Module):
     q = wq_b(q_norm(wq_a x)) split into nope/rope parts; the nope part is absorbed through
     wkv_b's key rows into the kv latent, so attention runs against the cached latent
     (kv_lora_rank) + roped shared key (qk_rope_dim); the latent output goes through
-    wkv_b's value rows and wo (row parallel: all-reduce).
+    wkv_b's value rows and wo (row parallel: all-reduce). wq_a and wkv_a (both replicated,
+    same input) are one GEMM: `wqkv_a` holds wq_a's rows then wkv_a's.
     """
 
-    def __init__(self, cfg: ModelConfig, comm: Comm, layer: int, attn_backend: str, device, dtype):
+    def __init__(self, cfg: ModelConfig, comm: Comm, layer: int, attn_backend: str, ops: Ops, device, dtype):
         super().__init__()
-        self.cfg, self.layer = cfg, layer
+        self.cfg, self.layer, self.ops = cfg, layer, ops
         h, nh = cfg.hidden, cfg.n_heads
-        self.wq_a = Linear(h, cfg.q_lora_rank, device, dtype)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device, dtype)
+        self.wqkv_a = Linear(h, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_dim, device, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops, device, dtype)
         self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, nh * cfg.qk_head_dim, comm, device, dtype)
-        self.wkv_a = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_dim, device, dtype)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, device, dtype)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, ops, device, dtype)
         self.wkv_b = ColumnParallelLinear(cfg.kv_lora_rank, nh * (cfg.qk_nope_dim + cfg.v_head_dim), comm,
                                           device, dtype)
         self.wo = RowParallelLinear(nh * cfg.v_head_dim, h, comm, device, dtype)
@@ -79,12 +100,14 @@ class MLA(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         nh, dn, dr, dv, lat = cfg.n_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(b, t, nh, dn + dr)     # [B, T, nh, Dn+Dr]
+        qkv = self.wqkv_a(x)                                                    # [B, T, Q+L+Dr]
+        q_a, kv = qkv.split([cfg.q_lora_rank, lat + dr], dim=-1)               # [B, T, Q], [B, T, L+Dr]
+        q = self.wq_b(self.q_norm(q_a)).view(b, t, nh, dn + dr)                # [B, T, nh, Dn+Dr]
+        self.ops.rope_(q, cos, sin, dn)                                         # rope dims, in place
         q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
-        q_pe = apply_rope(q_pe, cos, sin)
-        kv = self.wkv_a(x)                                                      # [B, T, L+Dr]
-        ckv, kpe = kv.split([lat, dr], dim=-1)                                  # [B, T, L], [B, T, Dr]
-        cache.write(self.layer, prefix_len, self.kv_norm(ckv), apply_rope(kpe, cos, sin))
+        # normed latent + roped k_pe straight into the cache at prefix_len[b] + j
+        self.ops.kv_norm_rope_store(kv, self.kv_norm.weight, cos, sin, cache.ckv[self.layer],
+                                    cache.kpe[self.layer], prefix_len, cfg.norm_eps)
         wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]
         q_lat = torch.einsum("bthd,hdl->bthl", q_nope, wkv_b[:, :dn])          # [B, T, nh, L]
         o_lat = self.attend(q_lat, q_pe.to(q_lat.dtype), cache.ckv[self.layer], cache.kpe[self.layer],
@@ -94,16 +117,19 @@ class MLA(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP, intermediate dim split over ranks: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU MLP, intermediate dim split over ranks: w2(silu(w1 x) * w3 x).
 
-    def __init__(self, hidden: int, inter: int, comm: Comm, device, dtype):
+    w1 and w3 are one GEMM: `w13`'s local rows are this rank's w1 (gate) rows, then its
+    w3 (up) rows."""
+
+    def __init__(self, hidden: int, inter: int, comm: Comm, ops: Ops, device, dtype):
         super().__init__()
-        self.w1 = ColumnParallelLinear(hidden, inter, comm, device, dtype)
-        self.w3 = ColumnParallelLinear(hidden, inter, comm, device, dtype)
+        self.ops, self.inter_local = ops, inter // comm.tp
+        self.w13 = ColumnParallelLinear(hidden, 2 * inter, comm, device, dtype)
         self.w2 = RowParallelLinear(inter, hidden, comm, device, dtype)
 
     def forward(self, x, reduce: bool = True):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x), reduce=reduce)
+        return self.w2(self.ops.silu_mul(self.w13(x)), reduce=reduce)          # [.., 2I/tp] -> [.., H]
 
 
 class MoE(nn.Module):
@@ -111,13 +137,13 @@ class MoE(nn.Module):
     (intermediate dim split over ranks, Marlin layout) and one shared expert; the routed
     and shared partial sums share one all-reduce."""
 
-    def __init__(self, cfg: ModelConfig, comm: Comm, moe_backend: str, device, dtype):
+    def __init__(self, cfg: ModelConfig, comm: Comm, moe_backend: str, ops: Ops, device, dtype):
         super().__init__()
-        self.cfg, self.comm, self.backend = cfg, comm, moe_backend
+        self.cfg, self.comm, self.backend, self.ops = cfg, comm, moe_backend, ops
         e, h, i, g = cfg.n_experts, cfg.hidden, cfg.moe_inter_local, cfg.group_size
         self.gate = nn.Parameter(torch.empty(e, h, device=device, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(e, device=device, dtype=torch.float32), requires_grad=False)
-        self.shared = MLP(h, cfg.moe_inter * cfg.n_shared_experts, comm, device, dtype)
+        self.shared = MLP(h, cfg.moe_inter * cfg.n_shared_experts, comm, ops, device, dtype)
         # Marlin shards (kernels.moe.MarlinMoE), filled by engine.weights
         self.register_buffer("w13", torch.empty(e, h // 16, 4 * i, device=device, dtype=torch.int32))
         self.register_buffer("w13_scale", torch.empty(e, h // g, 2 * i, device=device, dtype=torch.bfloat16))
@@ -131,7 +157,7 @@ class MoE(nn.Module):
         b, t, h = x.shape
         xf = x.reshape(b * t, h)                                               # [N, H]
         with phase("moe"):
-            ids, w = route(xf, self.gate, self.bias, self.cfg.top_k, self.cfg.routed_scaling)  # [N, k]
+            ids, w = self.ops.route(xf, self.gate, self.bias, self.cfg.top_k, self.cfg.routed_scaling)  # [N, k]
             y = fused_moe(xf, ids, w, self.experts(), self.backend)            # [N, H] partial
         with phase("mlp"):
             y = y + self.shared(xf, reduce=False)
@@ -141,23 +167,24 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: h += attn(norm(h)); h += ffn(norm(h)), ffn dense (layer 0) or MoE."""
 
-    def __init__(self, cfg: ModelConfig, comm: Comm, layer: int, moe_backend, attn_backend, device, dtype):
+    def __init__(self, cfg: ModelConfig, comm: Comm, layer: int, moe_backend, attn_backend, ops: Ops,
+                 device, dtype):
         super().__init__()
         self.dense = layer < cfg.n_dense_layers
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
-        self.attn = MLA(cfg, comm, layer, attn_backend, device, dtype)
-        self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
-        self.ffn = (MLP(cfg.hidden, cfg.dense_inter, comm, device, dtype) if self.dense
-                    else MoE(cfg, comm, moe_backend, device, dtype))
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, ops, device, dtype)
+        self.attn = MLA(cfg, comm, layer, attn_backend, ops, device, dtype)
+        self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, ops, device, dtype)
+        self.ffn = (MLP(cfg.hidden, cfg.dense_inter, comm, ops, device, dtype) if self.dense
+                    else MoE(cfg, comm, moe_backend, ops, device, dtype))
 
     def forward(self, h, cos, sin, cache, prefix_len, visible):
         with phase("attention"):
-            h = h + self.attn(self.attn_norm(h), cos, sin, cache, prefix_len, visible)
+            a = self.attn(self.attn_norm(h), cos, sin, cache, prefix_len, visible)
+        with phase("mlp"):
+            x, h = self.ffn_norm(a, residual=h)                                 # h += a; x = norm(h)
         if self.dense:
             with phase("mlp"):
-                return h + self.ffn(self.ffn_norm(h))
-        with phase("mlp"):
-            x = self.ffn_norm(h)
+                return h + self.ffn(x)
         return h + self.ffn(x)
 
 
@@ -165,7 +192,7 @@ class Transformer(nn.Module):
     """The K2.6 target model (one TP rank's shard when comm.tp > 1)."""
 
     def __init__(self, cfg: ModelConfig, comm: Comm | None = None, moe_backend: str = "torch",
-                 attn_backend: str = "torch", device=None, dtype=torch.bfloat16):
+                 attn_backend: str = "torch", device=None, dtype=torch.bfloat16, fused: str = "auto"):
         super().__init__()
         comm = comm or LocalComm()
         if (comm.tp, comm.rank) != (cfg.tp, cfg.rank):
@@ -176,10 +203,13 @@ class Transformer(nn.Module):
         cfg.check_marlin()
         self.cfg, self.comm, self.dtype = cfg, comm, dtype
         self.moe_backend, self.attn_backend = moe_backend, attn_backend
+        if fused == "auto":  # the Triton kernels on GPU; the references on CPU
+            fused = "triton" if torch.device(device or "cpu").type == "cuda" else "torch"
+        self.ops = ops = Ops(fused)
         self.tok_embed = VocabParallelEmbedding(cfg.vocab, cfg.hidden, comm, device, dtype)
-        self.layers = nn.ModuleList(Block(cfg, comm, i, moe_backend, attn_backend, device, dtype)
+        self.layers = nn.ModuleList(Block(cfg, comm, i, moe_backend, attn_backend, ops, device, dtype)
                                     for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, ops, device, dtype)
         self.head = ParallelLMHead(cfg.hidden, cfg.vocab, comm, device, dtype)
         self.register_buffer("freqs", yarn_freqs(cfg).to(device), persistent=False)
 
@@ -231,21 +261,22 @@ class Transformer(nn.Module):
         for i, blk in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = blk.attn
+            q = self.cfg.q_lora_rank
             out.update({
                 p + "input_layernorm.weight": (blk.attn_norm.weight, None),
                 p + "post_attention_layernorm.weight": (blk.ffn_norm.weight, None),
-                p + "self_attn.q_a_proj.weight": (a.wq_a.weight, None),
+                p + "self_attn.q_a_proj.weight": (a.wqkv_a.weight[:q], None),
                 p + "self_attn.q_a_layernorm.weight": (a.q_norm.weight, None),
                 p + "self_attn.q_b_proj.weight": (a.wq_b.weight, 0),
-                p + "self_attn.kv_a_proj_with_mqa.weight": (a.wkv_a.weight, None),
+                p + "self_attn.kv_a_proj_with_mqa.weight": (a.wqkv_a.weight[q:], None),
                 p + "self_attn.kv_a_layernorm.weight": (a.kv_norm.weight, None),
                 p + "self_attn.kv_b_proj.weight": (a.wkv_b.weight, 0),
                 p + "self_attn.o_proj.weight": (a.wo.weight, 1),
             })
             mlp = blk.ffn if blk.dense else blk.ffn.shared
-            q = p + ("mlp." if blk.dense else "mlp.shared_experts.")
-            out.update({q + "gate_proj.weight": (mlp.w1.weight, 0), q + "up_proj.weight": (mlp.w3.weight, 0),
-                        q + "down_proj.weight": (mlp.w2.weight, 1)})
+            m, i = p + ("mlp." if blk.dense else "mlp.shared_experts."), mlp.inter_local
+            out.update({m + "gate_proj.weight": (mlp.w13.weight[:i], 0), m + "up_proj.weight": (mlp.w13.weight[i:], 0),
+                        m + "down_proj.weight": (mlp.w2.weight, 1)})
             if not blk.dense:
                 out[p + "mlp.gate.weight"] = (blk.ffn.gate, None)
                 out[p + "mlp.gate.e_score_correction_bias"] = (blk.ffn.bias, None)

@@ -1,0 +1,257 @@
+"""Small fused Triton kernels for the decode step, each beside its torch reference.
+
+A decode step at concurrency 1 moves little data per op, so its time is mostly the
+number of kernels; these kernels replace chains of 5-25 elementwise torch ops:
+
+- `rms_norm`: y = x / rms(x) * w, optionally fused with the residual add before it.
+- `kv_norm_rope_store`: the MLA kv path after wkv_a: RMSNorm of the 512 latent dims,
+  interleaved rope of the 64 k_pe dims, both written straight into the KV cache at
+  position prefix_len[b] + t.
+- `rope_`: interleaved rope in place on a slice of every head (q's rope dims).
+- `silu_mul`: SiLU(gate) * up for a fused [gate | up] projection.
+- `route`: K2.6 router after the gate GEMM: sigmoid, top-k of score + bias, weights
+  renormalised and scaled.
+
+All wrappers take fp32/bf16/fp16 and compute in fp32. Every `*_ref` is the meaning.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+# ---- RMSNorm (+ residual add) ----------------------------------------------------------
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, y_ptr, h_ptr,   # rows of x [N, D]; res/h only if HAS_RES
+    stride_x, stride_res, stride_y, stride_h,
+    D, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:  # h = res + x is the new residual stream
+        x += tl.load(res_ptr + row * stride_res + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * stride_h + offs, x.to(h_ptr.dtype.element_ty), mask=m)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm_ref(x, w, eps, residual=None):
+    """-> y, or (y, h = residual + x) when `residual` is given."""
+    h = x if residual is None else (residual.float() + x.float()).to(x.dtype)
+    hf = h.float()
+    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+    return y if residual is None else (y, h)
+
+
+def rms_norm(x, w, eps, residual=None):
+    """Triton RMSNorm over the last dim of x `[..., D]` (rows may be strided views)."""
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    has_res = residual is not None
+    if has_res:
+        r2 = residual.reshape(-1, d).contiguous()
+        h = torch.empty_like(y)
+    else:
+        r2 = h = y
+    block = _pow2(d)
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, w, y, h, x2.stride(0), r2.stride(0), y.stride(0), h.stride(0),
+                                     d, eps, HAS_RES=has_res, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    y = y.view(x.shape)
+    return (y, h.view(x.shape)) if has_res else y
+
+
+# ---- MLA kv path: norm + rope + cache store --------------------------------------------
+
+@triton.jit
+def _kv_store_kernel(
+    kv_ptr, w_ptr, cos_ptr, sin_ptr,        # kv [B*T, L+R] rows, norm weight [L], cos/sin [B*T, R/2]
+    ckv_ptr, kpe_ptr, plen_ptr,             # caches [B, S, L] and [B, S, R]; prefix_len [B]
+    stride_kv, stride_cs,
+    stride_cb, stride_cs_pos, stride_pb, stride_ps_pos,
+    T, L, R, eps,
+    BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0)
+    b = row // T
+    pos = tl.load(plen_ptr + b).to(tl.int64) + row % T
+    offs = tl.arange(0, BLOCK_L)
+    m = offs < L
+    c = tl.load(kv_ptr + row * stride_kv + offs, mask=m, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(c * c, axis=0) / L + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(ckv_ptr + b * stride_cb + pos * stride_cs_pos + offs, (c * rstd * w).to(ckv_ptr.dtype.element_ty),
+             mask=m)
+    i = tl.arange(0, BLOCK_H)
+    mh = i < R // 2
+    x0 = tl.load(kv_ptr + row * stride_kv + L + 2 * i, mask=mh, other=0.0).to(tl.float32)
+    x1 = tl.load(kv_ptr + row * stride_kv + L + 2 * i + 1, mask=mh, other=0.0).to(tl.float32)
+    cs = tl.load(cos_ptr + row * stride_cs + i, mask=mh, other=0.0)
+    sn = tl.load(sin_ptr + row * stride_cs + i, mask=mh, other=0.0)
+    dst = kpe_ptr + b * stride_pb + pos * stride_ps_pos
+    tl.store(dst + 2 * i, (x0 * cs - x1 * sn).to(kpe_ptr.dtype.element_ty), mask=mh)
+    tl.store(dst + 2 * i + 1, (x0 * sn + x1 * cs).to(kpe_ptr.dtype.element_ty), mask=mh)
+
+
+def _rope_ref(x, cos, sin):
+    """Interleaved rope of x `[N, .., R]` with cos/sin `[N, R/2]` (fp32 math)."""
+    shape = (cos.shape[0], *([1] * (x.dim() - 2)), cos.shape[-1])
+    c, s = cos.view(shape), sin.view(shape)
+    xf = x.float().unflatten(-1, (-1, 2))                         # [N, .., R/2, 2]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).flatten(-2)   # [N, .., R]
+
+
+def kv_norm_rope_store_ref(kv, w, cos, sin, ckv, kpe, prefix_len, eps):
+    """kv `[B, T, L+R]`, cos/sin `[B, T, R/2]`; writes caches ckv `[B, S, L]`, kpe `[B, S, R]`."""
+    b, t, _ = kv.shape
+    lat = ckv.shape[-1]
+    c = rms_norm_ref(kv[..., :lat], w, eps)
+    k = _rope_ref(kv[..., lat:].reshape(b * t, -1), cos.reshape(b * t, -1), sin.reshape(b * t, -1))
+    pos = prefix_len.long().view(b, 1) + torch.arange(t, device=kv.device)   # [B, T]
+    rows = torch.arange(b, device=kv.device).view(b, 1).expand(b, t)         # [B, T]
+    ckv.index_put_((rows, pos), c.to(ckv.dtype))
+    kpe.index_put_((rows, pos), k.view(b, t, -1).to(kpe.dtype))
+
+
+def kv_norm_rope_store(kv, w, cos, sin, ckv, kpe, prefix_len, eps):
+    """Triton version of `kv_norm_rope_store_ref` (one program per new token)."""
+    b, t, _ = kv.shape
+    lat, r = ckv.shape[-1], kpe.shape[-1]
+    kv2 = kv.reshape(b * t, -1)
+    cos2, sin2 = cos.reshape(b * t, -1).float().contiguous(), sin.reshape(b * t, -1).float().contiguous()
+    assert kv2.stride(-1) == 1 and ckv.stride(-1) == 1 and kpe.stride(-1) == 1
+    _kv_store_kernel[(b * t,)](kv2, w, cos2, sin2, ckv, kpe, prefix_len,
+                               kv2.stride(0), cos2.stride(0), ckv.stride(0), ckv.stride(1),
+                               kpe.stride(0), kpe.stride(1), t, lat, r, eps,
+                               BLOCK_L=_pow2(lat), BLOCK_H=_pow2(r // 2), num_warps=4)
+
+
+# ---- rope in place on q ----------------------------------------------------------------
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, cos_ptr, sin_ptr,      # x rows [N, H, *] (strided), cos/sin [N, R/2]
+    stride_n, stride_h, stride_cs,
+    H, R, offset,
+    BLOCK_HEADS: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    row = tl.program_id(0)
+    hh = tl.arange(0, BLOCK_HEADS)[:, None]
+    i = tl.arange(0, BLOCK_R)[None, :]
+    m = (hh < H) & (i < R // 2)
+    p = x_ptr + row * stride_n + hh * stride_h + offset + 2 * i
+    x0 = tl.load(p, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(p + 1, mask=m, other=0.0).to(tl.float32)
+    cs = tl.load(cos_ptr + row * stride_cs + i, mask=i < R // 2, other=0.0)
+    sn = tl.load(sin_ptr + row * stride_cs + i, mask=i < R // 2, other=0.0)
+    tl.store(p, (x0 * cs - x1 * sn).to(x_ptr.dtype.element_ty), mask=m)
+    tl.store(p + 1, (x0 * sn + x1 * cs).to(x_ptr.dtype.element_ty), mask=m)
+
+
+def rope_ref_(x, cos, sin, offset):
+    """In place: rotate dims offset .. offset+R of every head of x `[B, T, H, D]`."""
+    b, t, h, _ = x.shape
+    r = 2 * cos.shape[-1]
+    part = x[..., offset:offset + r]
+    part.copy_(_rope_ref(part.reshape(b * t, h, r), cos.reshape(b * t, -1), sin.reshape(b * t, -1))
+               .view(b, t, h, r))
+    return x
+
+
+def rope_(x, cos, sin, offset):
+    """Triton version of `rope_ref_` (x's last dim contiguous, heads strided)."""
+    b, t, h, _ = x.shape
+    r = 2 * cos.shape[-1]
+    assert x.stride(-1) == 1 and x.stride(0) == t * x.stride(1)
+    cos2, sin2 = cos.reshape(b * t, -1).float().contiguous(), sin.reshape(b * t, -1).float().contiguous()
+    _rope_kernel[(b * t,)](x, cos2, sin2, x.stride(1), x.stride(2), cos2.stride(0), h, r, offset,
+                           BLOCK_HEADS=_pow2(h), BLOCK_R=_pow2(r // 2), num_warps=4)
+    return x
+
+
+# ---- SiLU(gate) * up -------------------------------------------------------------------
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < I
+    g = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (g / (1.0 + tl.exp(-g)) * u).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def silu_mul_ref(x):
+    """x `[..., 2I]` = [gate | up] -> SiLU(gate) * up `[..., I]`."""
+    i = x.shape[-1] // 2
+    return (torch.nn.functional.silu(x[..., :i].float()) * x[..., i:].float()).to(x.dtype)
+
+
+def silu_mul(x):
+    i = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * i).contiguous()
+    y = torch.empty(x2.shape[0], i, dtype=x.dtype, device=x.device)
+    block = min(_pow2(i), 1024)
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](x2, y, x2.stride(0), y.stride(0), i, BLOCK=block)
+    return y.view(*x.shape[:-1], i)
+
+
+# ---- K2.6 router after the gate GEMM ---------------------------------------------------
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, ids_ptr, w_ptr,   # logits [N, E], bias [E] -> ids int32 [N, K], w fp32 [N, K]
+    stride_l, E, scaling,
+    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    m = offs < E
+    z = tl.load(logits_ptr + row * stride_l + offs, mask=m, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-z))
+    sel = tl.where(m, s + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32), float("-inf"))
+    ko = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    ws = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(K):   # k rounds of argmax: top-k in descending order
+        best = tl.max(sel, axis=0)
+        idx = tl.min(tl.where(sel == best, offs, BLOCK_E), axis=0)   # lowest index among ties
+        wj = tl.sum(tl.where(offs == idx, s, 0.0), axis=0)
+        ids = tl.where(ko == j, idx, ids)
+        ws = tl.where(ko == j, wj, ws)
+        sel = tl.where(offs == idx, float("-inf"), sel)
+    ws = ws / tl.sum(ws, axis=0) * scaling
+    tl.store(ids_ptr + row * K + ko, ids, mask=ko < K)
+    tl.store(w_ptr + row * K + ko, ws, mask=ko < K)
+
+
+def route_ref(logits, bias, top_k, scaling):
+    """Gate logits `[N, E]` -> (ids int32 `[N, k]`, weights fp32 `[N, k]`), as kernels.moe.route."""
+    s = torch.sigmoid(logits.float())
+    ids = torch.topk(s + bias.float(), top_k, dim=-1).indices
+    w = s.gather(-1, ids)
+    return ids.to(torch.int32), w / w.sum(-1, keepdim=True) * scaling
+
+
+def route(logits, bias, top_k, scaling):
+    n, e = logits.shape
+    lg = logits.contiguous()
+    ids = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)
+    w = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
+    _route_kernel[(n,)](lg, bias, ids, w, lg.stride(0), e, float(scaling),
+                        K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), num_warps=4)
+    return ids, w

@@ -1,0 +1,83 @@
+"""kernels.fused_ops: each Triton kernel against its torch reference on fresh random inputs
+(TRITON_INTERPRET=1 on CPU, fp32; bf16 on the GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import fused_ops as F
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
+
+
+def gen(seed=0):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def randn(*shape, g, dtype=torch.float32):
+    return torch.randn(*shape, generator=g, device=DEV).to(dtype)
+
+
+def tol(dtype):
+    return dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 200])
+def test_rms_norm(dtype, d):
+    g = gen(1)
+    x, r, w = randn(3, 2, d, g=g, dtype=dtype), randn(3, 2, d, g=g, dtype=dtype), 1 + randn(d, g=g, dtype=dtype)
+    torch.testing.assert_close(F.rms_norm(x, w, 1e-5), F.rms_norm_ref(x, w, 1e-5), **tol(dtype))
+    y, h = F.rms_norm(x, w, 1e-6, residual=r)
+    y0, h0 = F.rms_norm_ref(x, w, 1e-6, residual=r)
+    torch.testing.assert_close(h, h0, **tol(dtype))
+    torch.testing.assert_close(y, y0, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_norm_rope_store(dtype):
+    g = gen(2)
+    b, t, s, lat, r = 3, 2, 9, 48, 16
+    kv, w = randn(b, t, lat + r, g=g, dtype=dtype), 1 + randn(lat, g=g, dtype=dtype)
+    ang = randn(b, t, r // 2, g=g)
+    plen = torch.tensor([0, 4, 7], dtype=torch.int32, device=DEV)
+    caches = [(randn(b, s, lat, g=g, dtype=dtype), randn(b, s, r, g=g, dtype=dtype)) for _ in range(2)]
+    want, got = [tuple(c.clone() for c in caches[0])], [tuple(c.clone() for c in caches[0])]
+    F.kv_norm_rope_store_ref(kv, w, ang.cos(), ang.sin(), *want[0], plen, 1e-5)
+    F.kv_norm_rope_store(kv, w, ang.cos(), ang.sin(), *got[0], plen, 1e-5)
+    for a, e in zip(got[0], want[0]):
+        torch.testing.assert_close(a, e, **tol(dtype))
+    assert not torch.equal(want[0][0], caches[0][0])  # something was written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_inplace_on_q_slice(dtype):
+    g = gen(3)
+    b, t, h, dn, r = 2, 3, 5, 12, 8
+    q = randn(b, t, h, dn + r, g=g, dtype=dtype)
+    ang = randn(b, t, r // 2, g=g)
+    want = F.rope_ref_(q.clone(), ang.cos(), ang.sin(), dn)
+    got = F.rope_(q.clone(), ang.cos(), ang.sin(), dn)
+    torch.testing.assert_close(got, want, **tol(dtype))
+    torch.testing.assert_close(got[..., :dn], q[..., :dn])  # nope dims untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    x = randn(4, 2, 2 * 96, g=gen(4), dtype=dtype)
+    torch.testing.assert_close(F.silu_mul(x), F.silu_mul_ref(x), **tol(dtype))
+
+
+@pytest.mark.parametrize("e, k", [(16, 4), (48, 8)])
+def test_route_matches_reference_and_kernels_moe(e, k):
+    from kernels.moe import route as moe_route
+
+    g = gen(5)
+    x, gate, bias = randn(7, 32, g=g), randn(e, 32, g=g) / 6, 0.1 * randn(e, g=g)
+    ids, w = F.route(x @ gate.t(), bias, k, 2.827)
+    ids0, w0 = F.route_ref(x @ gate.t(), bias, k, 2.827)
+    ids1, w1 = moe_route(x, gate, bias, k, 2.827)
+    assert torch.equal(ids, ids0) and torch.equal(ids0, ids1)
+    torch.testing.assert_close(w, w0)
+    torch.testing.assert_close(w0, w1)
