@@ -165,15 +165,19 @@ class Outcome:
         return (self.latency - self.ttft) / (self.completion_tokens - 1)
 
 
-def _payload(api: str, p: Prompt, model: str | None) -> tuple[str, dict]:
+def _payload(api: str, p: Prompt, model: str | None, plain: bool = False) -> tuple[str, dict]:
+    """Endpoint and body. `plain` (openai): only standard OpenAI fields, for servers that
+    reject `ignore_eos` / `continuous_usage_stats`."""
     if api == "sglang":
         key = "text" if isinstance(p.prompt, str) else "input_ids"
         return "/generate", {key: p.prompt, "stream": True, "sampling_params": {
             "temperature": 0.0, "max_new_tokens": p.output_len, "ignore_eos": True}}
-    return "/v1/completions", {
-        "model": model or "default", "prompt": p.prompt, "max_tokens": p.output_len,
-        "temperature": 0.0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {"model": model or "default", "prompt": p.prompt, "max_tokens": p.output_len,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if not plain:
+        body["ignore_eos"] = True
+        body["stream_options"]["continuous_usage_stats"] = True
+    return "/v1/completions", body
 
 
 def _int(value) -> int | None:
@@ -221,10 +225,10 @@ def _on_openai_event(o: Outcome, d: dict, now: float) -> None:
 
 
 async def request_once(client, api: str, base: str, p: Prompt, index: int, timeout: float,
-                       model: str | None = None) -> Outcome:
+                       model: str | None = None, plain: bool = False) -> Outcome:
     """Send one streaming request and measure it; never raises (errors land in `error`)."""
     o = Outcome(index=index, output_len=p.output_len)
-    path, body = _payload(api, p, model)
+    path, body = _payload(api, p, model, plain)
     on_event = _on_sglang_event if api == "sglang" else _on_openai_event
 
     async def stream():
@@ -283,14 +287,15 @@ async def request_once(client, api: str, base: str, p: Prompt, index: int, timeo
 
 
 async def run_level(client, api: str, base: str, prompts: list[Prompt], n: int, timeout: float,
-                    model: str | None = None, on_done=None) -> tuple[list[Outcome], float]:
+                    model: str | None = None, on_done=None, plain: bool = False
+                    ) -> tuple[list[Outcome], float]:
     """Send every prompt with exactly `n` in flight; returns (outcomes, wall time in s)."""
     todo = iter(enumerate(prompts))  # shared: each worker takes the next prompt
     outcomes: list[Outcome] = []
 
     async def worker():
         for i, p in todo:
-            o = await request_once(client, api, base, p, i, timeout, model)
+            o = await request_once(client, api, base, p, i, timeout, model, plain)
             o.start -= t0  # relative to the level's start
             outcomes.append(o)
             if on_done is not None:
@@ -469,6 +474,7 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
                   server_info=info, source="measured")
 
     async def main():
+        plain = False
         limits = httpx.Limits(max_connections=max(concurrency) + warmup + 4,
                               max_keepalive_connections=max(concurrency) + warmup + 4)
         tmo = httpx.Timeout(timeout, connect=min(timeout, 10.0))
@@ -477,6 +483,13 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
                 short = [Prompt(p.prompt, p.prompt_len, min(p.output_len, 16)) for p in prompts[:warmup]]
                 short += [short[i % len(short)] for i in range(len(short), warmup)]
                 outs, _ = await run_level(client, api, base, short, warmup, timeout, model)
+                rejected = all(o.error.startswith(("HTTP 400", "HTTP 422")) for o in outs)
+                if api == "openai" and rejected:  # a strict server: retry with standard fields only
+                    outs, _ = await run_level(client, api, base, short, warmup, timeout, model, plain=True)
+                    common["plain_openai"] = plain = any(o.ok for o in outs)
+                    if plain:
+                        console.print("warning: the server rejected ignore_eos/continuous_usage_stats; "
+                                      "sending standard OpenAI fields only (outputs may end early)")
                 if not any(o.ok for o in outs):
                     raise UserError(f"all {warmup} warmup request(s) to {base} failed: {outs[0].error}")
             with ResultWriter(out, "baseline_requests", run_metadata("baseline_requests", **common),
@@ -493,7 +506,7 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
                         req_w.write(request_row(o, label, c))
                         bar.advance(task)
 
-                    outs, wall = await run_level(client, api, base, todo, c, timeout, model, done)
+                    outs, wall = await run_level(client, api, base, todo, c, timeout, model, done, plain)
                     sum_w.write({**dict.fromkeys(SUMMARY_COLUMNS), **summarize(outs, wall),
                                  "label": label, "source": "measured", "api": api, "concurrency": c,
                                  "input_len": input_len if dataset == "random" else None,

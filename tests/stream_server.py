@@ -37,6 +37,7 @@ class Schedule:
     usage: str = "continuous"  # openai: 'continuous' (every chunk), 'final' (last chunk) or 'none'
     faults: dict = field(default_factory=dict)  # arrival number -> fault name
     hang_s: float = 1.5
+    strict: bool = False  # openai: reject the non-standard ignore_eos / continuous_usage_stats (HTTP 400)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -108,6 +109,10 @@ class _Handler(BaseHTTPRequestHandler):
                 leave()
                 self.close_connection = True
                 return
+            if not native and sch.strict and ("ignore_eos" in body or "continuous_usage_stats" in
+                                              (body.get("stream_options") or {})):
+                leave()
+                return self._json(400, {"error": "unrecognized request argument: ignore_eos"})
             out = body["sampling_params"]["max_new_tokens"] if native else body["max_tokens"]
             prompt = body.get("input_ids") or body.get("text") or body.get("prompt")
             n_prompt = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
@@ -132,7 +137,8 @@ class _Handler(BaseHTTPRequestHandler):
                     ev = {"id": str(arrival), "object": "text_completion", "model": "test-model",
                           "choices": [{"index": 0, "text": " tok" * n,
                                        "finish_reason": "length" if sent == out else None}]}
-                    if sch.usage == "continuous":
+                    if sch.usage == "continuous" and (body.get("stream_options") or {}).get(
+                            "continuous_usage_stats"):
                         ev["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": sent,
                                        "total_tokens": n_prompt + sent}
                     self._event(ev)
@@ -152,7 +158,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self._chunk(b"")
                     return
                 due += sch.gap_s
-            if not native and sch.usage == "final":
+            if not native and (sch.usage == "final" or sch.usage == "continuous" and not (
+                    body.get("stream_options") or {}).get("continuous_usage_stats")):
                 self._event({"id": str(arrival), "object": "text_completion", "choices": [],
                              "usage": {"prompt_tokens": n_prompt, "completion_tokens": out,
                                        "total_tokens": n_prompt + out}})

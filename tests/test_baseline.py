@@ -383,3 +383,19 @@ def test_report_plots_baseline_and_engine(tmp_path):
     drawn = bl.plot(results, tmp_path / "plots", "png") if (tmp_path / "plots").mkdir() is None else None
     assert [t for t, _ in drawn] == ["Output tok/s vs concurrency", "TTFT and TPOT distributions"]
     assert all(Path(p).stat().st_size > 1000 for _, p in drawn)
+
+
+def test_strict_openai_server_gets_standard_fields_only(tmp_path):
+    with TestServer(Schedule(ttft_s=0.02, gap_s=0.01, strict=True)) as s:
+        [row], reqs, summary, _ = measure(s, "openai", concurrency=[2], num_prompts=4, output_len=5,
+                                          warmup=1, out=tmp_path / "a")
+        bodies = s.bodies
+        # without a warmup there is nothing to fall back on: every request fails, and is counted
+        [bad], bad_reqs, *_ = measure(s, "openai", concurrency=[2], num_prompts=3, output_len=5,
+                                      warmup=0, out=tmp_path / "b")
+    assert "ignore_eos" not in bodies[-1] and bodies[-1]["stream_options"] == {"include_usage": True}
+    assert row["completed"] == "4" and num(row["total_output_tokens"]) == 4 * 5
+    assert all(r["tokens_from"] == "server" for r in reqs)  # from the final usage chunk
+    assert json.loads(summary.with_suffix(".json").read_text())["plain_openai"] is True
+    assert bad["completed"] == "0" and bad["failed"] == "3"
+    assert all(r["error"].startswith("HTTP 400") for r in bad_reqs)
