@@ -85,7 +85,7 @@ def measure_rows(model, concurrency: list[int], prompt_len: int, new_tokens: int
         b = step_bytes(model, c, r["mean_context"])
         floor = (b["weight_bytes"] + b["kv_bytes"]) / (copy_bw * 1e3) if copy_bw else None
         row = {**base, "concurrency": c, "prompt_len": prompt_len, "new_tokens": new_tokens,
-               "cuda_graph": r["cuda_graph"],
+               "cuda_graph": r["cuda_graph"], "phase_method": r["phase_method"],
                "step_us": round(r["step_us"], 2), "step_us_p20": round(r["step_us_p20"], 2),
                "step_us_p80": round(r["step_us_p80"], 2),
                "comm_us": round(comm_us, 2), "step_total_us": round(total, 2),
@@ -238,9 +238,11 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
             "checkpoint": str(checkpoint) if checkpoint else ""}
     meta = run_metadata("decode", preset=cfg.name, seed=seed, tp=tp, simulate_rank=simulate_rank, mode=mode,
                         allreduce_model=model_desc, config=cfg.to_dict(), moe_backend=moe, attn_backend=attn,
-                        method="step_us: CUDA-graph replay per step (events); *_us phases: one eager step "
-                               "with CUDA events at phase boundaries after a GPU head start; comm_us modelled "
-                               "(simulated) or measured (distributed)")
+                        method="step_us: CUDA-graph replay per step (CUDA events); *_us phases: a second "
+                               "graph of the step with timing events at phase boundaries, median of 5 replays "
+                               "(phase_method graph) or one eager step with events (phase_method eager); "
+                               "comm_us modelled (simulated) or measured (distributed); floor_us = (weight + "
+                               "KV bytes a step reads) / measured copy bandwidth")
     total_rows = len(concurrency)
     with ResultWriter(out, "decode", meta) as writer, Progress(console=console) as progress:
         task = progress.add_task(f"decode {cfg.name} tp={tp} {mode}", total=total_rows)

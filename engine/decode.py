@@ -11,13 +11,16 @@ How a step is timed (`measure_decode`):
 - step time: the CUDA graph is replayed once per generated token, each replay bracketed
   by CUDA events (no host sync between replays); median and p20/p80 over the decode.
   On CPU (or without a graph) a host clock brackets each eager step.
-- phase breakdown: one extra eager step runs with `engine.phases.PhaseTimer` active,
-  which records a CUDA event at every phase boundary (attention, moe, mlp, comm,
-  lm_head; the rest is "other"). Before it the GPU is given a head start
-  (`torch.cuda._sleep`) so the host queues the whole step ahead of the GPU and the
-  events measure GPU time rather than launch gaps; `phases_sum_us` close to the graph's
-  step time says this worked. The state of the batch is saved before and restored after
-  this step (and the graph's warm-up), so the timing does not change the output.
+- phase breakdown: `engine.phases.PhaseTimer` marks phase boundaries (attention, moe,
+  mlp, comm, lm_head; the rest is "other"). On GPU a second CUDA graph of the step is
+  captured with timing events as event-record nodes at those boundaries
+  (`torch.cuda.Event(external=True)`) and replayed 5 times; the median per phase is
+  reported ("graph" method), so the phases are graph-mode times without launch gaps and
+  `phases_sum_us` is close to the step time (the event nodes add a little). Where that is
+  not possible (CPU, no graph, older torch) one eager step is timed per phase instead
+  ("eager"), on GPU after a head start (`torch.cuda._sleep`) so the host queues work
+  ahead of the GPU. The batch state is saved before and restored after every timing
+  pass (and the graph's warm-up), so timing does not change the output.
 - communication: for `SimComm`, the all-reduce/all-gather times of one step are modelled
   (`comm.modelled_us` over the eager step) and not in the measured step (the stand-ins
   do no communication); for `DistComm` they are measured like any other phase and are
@@ -100,25 +103,63 @@ class Decoder:
         self.graph = graph
 
     @torch.no_grad()
-    def step(self) -> torch.Tensor:
-        """Decode one token per stream -> `[B]` (a copy, safe to keep)."""
+    def advance(self) -> None:
+        """Decode one token per stream into `self.tok` (graph replay when captured)."""
         if self.use_graph and self.graph is None:
             self.capture()
         if self.graph is not None:
             self.graph.replay()
         else:
             self._step()
+
+    def step(self) -> torch.Tensor:
+        """Decode one token per stream -> `[B]` (a copy, safe to keep)."""
+        self.advance()
         return self.tok[:, 0].clone()
 
     @torch.no_grad()
-    def timed_phases(self) -> dict[str, float]:
-        """One eager step with per-phase events (state restored after) -> phase -> us."""
+    def timed_phases(self, reps: int = 5) -> tuple[dict[str, float], str]:
+        """Per-phase time of one decode step (state restored after) -> (phase -> us, method).
+
+        With a graph: a second graph of the step with timing events at the phase boundaries
+        (`PhaseTimer(external=True)`), replayed `reps` times, median per phase ("graph").
+        Otherwise, or if that fails: one eager step with events after a GPU head start
+        ("eager"). The comm stand-ins of a SimComm model exactly one step's collectives.
+        """
+        if self.graph is not None:
+            try:
+                return self._graph_phases(reps), "graph"
+            except Exception as e:  # noqa: BLE001 - older torch: fall back, say so
+                print(f"note: phase timing inside a CUDA graph failed ({type(e).__name__}: {e}); "
+                      "timing phases on an eager step")
+        return self._eager_phases(), "eager"
+
+    def _reset_comm(self) -> None:
+        if hasattr(self.model.comm, "reset"):
+            self.model.comm.reset()
+
+    def _graph_phases(self, reps: int) -> dict[str, float]:
+        state = self._save()
+        timer = PhaseTimer(self.prefix_len.device, external=True)
+        self._reset_comm()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            with timer.active():
+                self._step()
+        runs = []
+        for _ in range(reps):
+            self._restore(state)
+            graph.replay()
+            runs.append(timer.totals_us())
+        self._restore(state)
+        del graph
+        return {p: statistics.median(r.get(p, 0.0) for r in runs) for p in runs[0] if p != "end"}
+
+    def _eager_phases(self) -> dict[str, float]:
         state = self._save()
         self._step()  # warm (shapes differ from the prefill's)
         self._restore(state)
-        comm = self.model.comm
-        if hasattr(comm, "reset"):  # SimComm: model exactly the timed step
-            comm.reset()
+        self._reset_comm()
         timer = PhaseTimer(self.prefix_len.device)
         if timer.cuda:
             torch.cuda.synchronize()
@@ -163,8 +204,8 @@ def measure_decode(model: Transformer, n_streams: int, prompt_len: int, new_toke
     """Prefill random prompts, time `new_tokens` greedy steps and one phase-timed step.
 
     Returns a dict: tokens `[B, new_tokens]` (CPU), step_us/_p20/_p80 (per step, graph replay
-    on GPU), phases_us (phase -> us, eager), comm_modelled_us (SimComm, per step, else 0),
-    prefill_s, cuda_graph, mean_context.
+    on GPU), phases_us (phase -> us), phase_method ('graph' or 'eager'), comm_modelled_us
+    (SimComm, per step, else 0), prefill_s, cuda_graph, mean_context.
     """
     dev = model.device
     cuda = dev.type == "cuda"
@@ -184,11 +225,11 @@ def measure_decode(model: Transformer, n_streams: int, prompt_len: int, new_toke
     sync()
     prefill_s = time.perf_counter() - t0
 
-    comm = model.comm
-    phases = dec.timed_phases()
-    comm_modelled = getattr(comm, "modelled_us", 0.0)
     if dec.use_graph:
         dec.capture()
+    comm = model.comm
+    phases, phase_method = dec.timed_phases()
+    comm_modelled = getattr(comm, "modelled_us", 0.0)
 
     samples = []
     if cuda:
@@ -196,21 +237,23 @@ def measure_decode(model: Transformer, n_streams: int, prompt_len: int, new_toke
                for _ in range(new_tokens - 1)]
         for s, e in evs:
             s.record()
-            out.append(dec.step())
+            dec.advance()
             e.record()
+            out.append(dec.tok[:, 0].clone())
         sync()
         samples = [s.elapsed_time(e) * 1e3 for s, e in evs]
     else:
         for _ in range(new_tokens - 1):
             t = time.perf_counter()
-            out.append(dec.step())
+            dec.advance()
             samples.append((time.perf_counter() - t) * 1e6)
+            out.append(dec.tok[:, 0].clone())
     q = statistics.quantiles(samples, n=5, method="inclusive") if len(samples) > 1 else [samples[0]] * 4
     return {
         "tokens": torch.stack(out, 1).cpu(),
         "step_us": statistics.median(samples), "step_us_p20": q[0], "step_us_p80": q[3],
         "phases_us": {p: phases.get(p, 0.0) for p in PHASES},
         "comm_modelled_us": comm_modelled if getattr(comm, "simulated", False) else 0.0,
-        "prefill_s": prefill_s, "cuda_graph": dec.graph is not None,
+        "prefill_s": prefill_s, "cuda_graph": dec.graph is not None, "phase_method": phase_method,
         "mean_context": prompt_len + new_tokens / 2,
     }

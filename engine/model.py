@@ -289,4 +289,4 @@ class Transformer(nn.Module):
 
 def causal_visible(b: int, t: int, device=None) -> torch.Tensor:
     """bool `[B, T, T]`: new token i sees new tokens j <= i."""
-    return torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t).contiguous()

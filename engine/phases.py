@@ -5,6 +5,10 @@ pay nothing). Inside, every phase entry and exit records a timestamp (a CUDA eve
 GPU, a host clock on CPU, where ops run synchronously); the time between two consecutive marks
 goes to the innermost phase open at that time, so nested phases (the all-reduce inside
 the attention block) are not counted twice. Time outside any phase goes to "other".
+
+With `external=True` and the marked code captured in a CUDA graph, the marks are
+event-record nodes of the graph and `totals_us()` after a replay gives the phases of
+that replay, free of launch gaps.
 """
 from __future__ import annotations
 
@@ -32,15 +36,19 @@ def phase(name: str):
 class PhaseTimer:
     """Collects marks while active; `totals_us()` sums the intervals per phase."""
 
-    def __init__(self, device):
+    def __init__(self, device, external: bool = False):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        # external=True: the events become event-record nodes when captured in a CUDA
+        # graph, so one replay of that graph times its phases (torch >= 2.8)
+        self.external = external
         self.marks: list[tuple[object, str]] = []   # (timestamp, phase running after it)
         self.stack: list[str] = []
 
     def _stamp(self):
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = (torch.cuda.Event(enable_timing=True, external=True) if self.external
+                  else torch.cuda.Event(enable_timing=True))
             ev.record()
             return ev
         return time.perf_counter()
