@@ -88,3 +88,111 @@ def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         y = (act @ w2) * topk_weights.reshape(-1)[sel].to(compute_dtype).unsqueeze(1)
         out.index_add_(0, tok, y)
     return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------- synthetic weights and routings
+
+def random_marlin_moe(n_experts: int, hidden: int, inter: int, group_size: int = 32, top_k: int = 8,
+                      device=None, seed: int = 0, chunk: int = 16) -> MarlinMoE:
+    """Random-but-valid Marlin MoE shard built directly at its shape (`quant.random_int4` +
+    `marlin.pack`), `chunk` experts at a time so the logical int4 never exists whole.
+
+    inter is the shard's intermediate size (I/tp). Scales give w13 outputs unit variance
+    and w2 an extra 1/sqrt(top_k), as `ddbench pack` does.
+    """
+    from kernels import quant
+
+    marlin.check_shape(hidden, 2 * inter, group_size)
+    marlin.check_shape(inter, hidden, group_size)
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {"w13": torch.empty(n_experts, hidden // 16, 4 * inter, dtype=torch.int32, device=device),
+           "w13_scale": torch.empty(n_experts, hidden // group_size, 2 * inter, dtype=torch.bfloat16, device=device),
+           "w2": torch.empty(n_experts, inter // 16, 2 * hidden, dtype=torch.int32, device=device),
+           "w2_scale": torch.empty(n_experts, inter // group_size, hidden, dtype=torch.bfloat16, device=device)}
+    for e0 in range(0, n_experts, chunk):
+        e1 = min(n_experts, e0 + chunk)
+        for name, (n_out, n_in, gain) in {"w13": (2 * inter, hidden, 1.0),
+                                         "w2": (hidden, inter, top_k ** -0.5)}.items():
+            q, s = quant.random_int4((e1 - e0, n_out, n_in), group_size, gain=gain, generator=g, device=device)
+            # checkpoint orientation [E, N, K] -> Marlin [E, K/16, 2N] and permuted [E, K/g, N]
+            out[name][e0:e1] = marlin.pack(q.transpose(-1, -2))
+            out[f"{name}_scale"][e0:e1] = marlin.permute_scales(s.transpose(-1, -2).contiguous(), group_size)
+    return MarlinMoE(**out, group_size=group_size)
+
+
+ROUTINGS = ("uniform", "skewed", "balanced", "router")
+
+
+def synthetic_routing(kind: str, tokens: int, n_experts: int, top_k: int, device=None, seed: int = 0,
+                      hot: int = 16, hot_share: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing without a router: (ids int32 `[T, k]`, distinct per token; weights fp32 `[T, k]`
+    summing to 1 per token).
+
+    uniform: each token's k experts drawn uniformly without replacement. skewed: `hot`
+    experts together get probability mass `hot_share`, the rest share the remainder.
+    balanced: assignment j of token t goes to expert (t*k + j) mod E (every expert equally
+    loaded, the most experts touched for T).
+    """
+    if tokens <= 0:
+        raise ValueError(f"tokens must be positive, got {tokens}")
+    g = torch.Generator(device=device).manual_seed(seed)
+    if kind == "uniform":
+        ids = torch.rand(tokens, n_experts, generator=g, device=device).topk(top_k, dim=-1).indices
+    elif kind == "skewed":
+        hot = max(1, min(hot, n_experts - 1))
+        p = torch.full((n_experts,), (1 - hot_share) / (n_experts - hot), device=device)
+        p[:hot] = hot_share / hot
+        ids = torch.multinomial(p.expand(tokens, n_experts), top_k, replacement=False, generator=g)
+    elif kind == "balanced":
+        ids = (torch.arange(tokens * top_k, device=device) % n_experts).reshape(tokens, top_k)
+    else:
+        raise ValueError(f"unknown routing {kind!r}; choose {', '.join(ROUTINGS[:3])}")
+    w = torch.rand(tokens, top_k, generator=g, device=device) + 0.1
+    return ids.to(torch.int32), w / w.sum(-1, keepdim=True)
+
+
+def random_router(hidden: int, n_experts: int, device=None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random K2.6-style router: gate weight `[E, H]` (std 1/sqrt(H)) and correction bias `[E]`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    weight = torch.randn(n_experts, hidden, generator=g, device=device) / hidden ** 0.5
+    bias = 0.1 * torch.randn(n_experts, generator=g, device=device)
+    return weight.to(torch.bfloat16), bias
+
+
+def expected_experts_touched(tokens: int, n_experts: int, top_k: int) -> float:
+    """Expected distinct experts hit by T tokens with uniform top-k routing: E (1 - (1 - k/E)^T)."""
+    return n_experts * (1 - (1 - top_k / n_experts) ** tokens)
+
+
+# ---------------------------------------------------------------- the reference in two stages
+
+def moe_ref_w13(x: torch.Tensor, topk_ids: torch.Tensor, w: MarlinMoE, compute_dtype=torch.float32) -> torch.Tensor:
+    """Reference w13 stage: x `[T, H]` -> SiLU(gate)*up `[T*k, I]`, row t*k + j for slot j of token t."""
+    t, k = topk_ids.shape
+    h, i = w.hidden, w.inter
+    flat_ids = topk_ids.reshape(-1).long()                                 # [T*k]
+    token_of = torch.arange(t, device=x.device).repeat_interleave(k)       # [T*k]
+    act = torch.empty(t * k, i, dtype=compute_dtype, device=x.device)
+    xc = x.to(compute_dtype)
+    for e in torch.unique(flat_ids).tolist():
+        sel = (flat_ids == e).nonzero().squeeze(1)
+        w13 = marlin.dequantize(w.w13[e], w.w13_scale[e], h, 2 * i, w.group_size, compute_dtype)  # [H, 2I]
+        gate_up = xc[token_of[sel]] @ w13                                  # [n, 2I]
+        act[sel] = F.silu(gate_up[:, :i]) * gate_up[:, i:]
+    return act
+
+
+def moe_ref_w2(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MarlinMoE,
+               compute_dtype=torch.float32) -> torch.Tensor:
+    """Reference w2 stage: act `[T*k, I]` -> `[T, H]`, weighted by the top-k weights and summed over k."""
+    t, k = topk_ids.shape
+    h, i = w.hidden, w.inter
+    flat_ids = topk_ids.reshape(-1).long()
+    token_of = torch.arange(t, device=act.device).repeat_interleave(k)
+    out = torch.zeros(t, h, dtype=compute_dtype, device=act.device)
+    for e in torch.unique(flat_ids).tolist():
+        sel = (flat_ids == e).nonzero().squeeze(1)
+        w2 = marlin.dequantize(w.w2[e], w.w2_scale[e], i, h, w.group_size, compute_dtype)         # [I, H]
+        y = (act[sel].to(compute_dtype) @ w2) * topk_weights.reshape(-1)[sel].to(compute_dtype).unsqueeze(1)
+        out.index_add_(0, token_of[sel], y)
+    return out

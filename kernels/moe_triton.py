@@ -1,0 +1,454 @@
+"""Fused INT4 W4A16 MoE in Triton, reading the Marlin layout directly (DESIGN §4).
+
+`fused_moe_triton(x, topk_ids, topk_weights, w)` computes what `kernels.moe.fused_moe_ref`
+computes, in five launches and no host syncs (so the whole layer can be captured in a
+CUDA graph):
+
+1. memset of the per-expert counters;
+2. `_count_kernel`: each (token, slot) assignment takes its rank inside its expert with an
+   atomic increment;
+3. `_scatter_kernel`: expert starts padded to BLOCK_M (an exclusive cumsum, redone by every
+   program), the assignments scattered to their sorted position, and each BLOCK_M block of
+   sorted rows told its expert (-1 past the end). Buffers are sized by the worst case
+   `cdiv(T*k, BM) + min(E, T*k)` blocks, so no size ever comes back to the host;
+4. `_w13_kernel`: per (row block, column tile, K split) the gate and up tiles of that
+   block's expert, SiLU(gate) * up fused in the epilogue (or, with split-K, fp32 partial
+   gate|up sums added atomically and the SiLU done by the next kernel as it loads them);
+5. `_w2_kernel`: the down projection, each row scaled by its top-k weight, written per
+   assignment and summed over the k slots by one `sum` (or added atomically into an fp32
+   output: `atomic_out`).
+
+Reading Marlin without the mma fragment: word `[kt, nb*128 + lane*4 + tile]` holds the 8
+nibbles of lane `lane` (t = lane%4, g = lane//4) of the 16x16 tile at (16kt, 64nb + 16tile);
+nibble i = 4*kodd + 2*bn + bk holds row 2t + kodd + 8bk, column g + 8bn. A K step is 32
+rows (one scale group): the word tile is loaded as `[32, BN/2]`, row r reading the word of
+(kt, t) = (r//16, (r%8)//2) (each word is read by 4 rows, from L1), so that shifting row r
+by 4*(4*(r%2) + 2*bn + (r%16)//8) gives the natural K order and the activation tile is a
+plain `[BM, 32]` load. Column c of the word tile is (g, j) = (c // NJ, c % NJ) of the tile's
+NJ = BN/16 sub-tiles, i.e. logical column 16j + g + 8bn: each GEMM makes two dots (bn = 0, 1)
+and stores them at those columns. Nibbles become dot operands exactly with the magic-number
+trick (q | 0x4300 is the bf16 128 + q; q | 0x6400 the fp16 1024 + q); the bias is removed
+after the dot as BIAS * rowsum(A), and the step's group scale multiplies the [BM, BN/2] dot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+BK = 32  # K rows per step: one scale group of 32 (group sizes must be multiples of it)
+# operand kinds: fp32 (tests), fp16, bf16 -> magic-number bias left in the dequantized value
+_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_BIAS = {0: 0.0, 1: 1032.0, 2: 136.0}
+
+
+@dataclass(frozen=True)
+class MoeTritonConfig:
+    """Tile sizes and launch options (see `default_config`)."""
+    block_m: int = 16       # sorted rows per program (also the alignment of each expert's rows)
+    block_n13: int = 64     # gate (and up) columns per w13 program
+    block_n2: int = 64      # output columns per w2 program
+    split_k: int = 1        # K splits of w13 (fp32 atomics + SiLU in w2's load when > 1)
+    atomic_out: bool = False  # w2 adds into an fp32 [T, H] instead of writing [T*k, H] + sum
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(tokens: int, top_k: int, n_experts: int, inter: int, hidden: int,
+                   n_sms: int = 132) -> MoeTritonConfig:
+    """Heuristic tiles: small BLOCK_M while experts see few rows; split w13's K while its
+    grid would leave SMs idle."""
+    per_expert = tokens * top_k / n_experts
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+    bn13 = 64 if inter % 64 == 0 else 32
+    bn2 = 64 if hidden % 64 == 0 else 32
+    blocks = min(n_experts, tokens * top_k) + tokens * top_k // bm
+    programs = blocks * (inter // bn13)
+    split = 1 if programs >= 2 * n_sms else min(8, -(-2 * n_sms // programs))
+    return MoeTritonConfig(block_m=bm, block_n13=bn13, block_n2=bn2, split_k=split)
+
+
+# ---------------------------------------------------------------- routing: sort and align
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, rank_ptr, n, BLOCK: tl.constexpr):
+    """counts[e] = assignments of expert e; rank[i] = i's slot inside its expert."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    e = tl.load(ids_ptr + i, mask=m, other=0)
+    r = tl.atomic_add(counts_ptr + e, 1, mask=m)
+    tl.store(rank_ptr + i, r, mask=m)
+
+
+@triton.jit
+def _scatter_kernel(
+    # in: routing and the counts from _count_kernel
+    ids_ptr, rank_ptr, counts_ptr,
+    # out: sorted assignments, expert of each row block, padded start of each expert
+    sorted_ptr, block_expert_ptr, expert_start_ptr,
+    # sizes
+    n, n_experts, n_blocks,
+    BM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    ex = tl.arange(0, BLOCK_E)
+    cnt = tl.load(counts_ptr + ex, mask=ex < n_experts, other=0)
+    padded = (cnt + BM - 1) // BM * BM
+    end = tl.cumsum(padded, 0)                              # [E] padded end of each expert
+    if pid == 0:
+        tl.store(expert_start_ptr + ex, end - padded, mask=ex < n_experts)
+    # assignments -> sorted position = padded start of its expert + its rank
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    e = tl.load(ids_ptr + i, mask=m, other=0)
+    rk = tl.load(rank_ptr + i, mask=m, other=0)
+    start = tl.sum(tl.where(ex[None, :] < e[:, None], padded[None, :], 0), 1)  # [BLOCK]
+    tl.store(sorted_ptr + start + rk, i, mask=m)
+    # row blocks -> expert whose padded range holds the block (-1 past the last one)
+    b = pid * BLOCK + tl.arange(0, BLOCK)
+    before = tl.sum((end[None, :] <= (b * BM)[:, None]).to(tl.int32), 1)       # [BLOCK]
+    tl.store(block_expert_ptr + b, tl.where(before < n_experts, before, -1), mask=b < n_blocks)
+
+
+def align_tokens(topk_ids: torch.Tensor, n_experts: int, block_m: int):
+    """Sort (token, slot) assignments by expert, each expert's rows padded to `block_m`.
+
+    topk_ids `[T, k]` -> (sorted int32 `[n_blocks*BM]` (assignment t*k + j; padding rows
+    undefined), block_expert int32 `[n_blocks]` (-1 = unused block), expert_start int32
+    `[E]`, counts int32 `[E]`). `n_blocks = cdiv(T*k, BM) + min(E, T*k)` bounds the padded
+    total, so nothing is read back to the host.
+    """
+    n = topk_ids.numel()
+    dev = topk_ids.device
+    n_blocks = triton.cdiv(n, block_m) + min(n_experts, n)
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=dev)
+    rank = torch.empty(n, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(n_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    expert_start = torch.empty(n_experts, dtype=torch.int32, device=dev)
+    _count_kernel[(triton.cdiv(n, 256),)](ids, counts, rank, n, BLOCK=256)
+    block = 32
+    grid = (max(triton.cdiv(n, block), triton.cdiv(n_blocks, block)),)
+    _scatter_kernel[grid](ids, rank, counts, sorted_ids, block_expert, expert_start,
+                          n, n_experts, n_blocks, BM=block_m, BLOCK=block,
+                          BLOCK_E=triton.next_power_of_2(n_experts), num_warps=8)
+    return sorted_ids, block_expert, expert_start, counts
+
+
+# ---------------------------------------------------------------- Marlin tile helpers
+
+@triton.jit
+def _tile_cols(n0, BN: tl.constexpr, VEC: tl.constexpr):
+    """Word columns and logical columns (bn = 0; bn = 1 is +8) of the BN-wide tile at n0."""
+    NJ: tl.constexpr = BN // 16
+    c = tl.arange(0, BN // 2)
+    g = c // NJ
+    j16 = n0 // 16 + c % NJ                                  # 16-column tile index
+    wcol = (j16 // 4) * 128 + g * 16 + j16 % 4               # word of lane (g, t=0)
+    wcol = tl.max_contiguous(tl.multiple_of(wcol, VEC), VEC)
+    return wcol, j16 * 16 + g
+
+
+@triton.jit
+def _scale_col(n, PER_CHANNEL: tl.constexpr):
+    """Stored column of logical column n in Marlin's permuted scales: an 8x8 transpose per
+    64 columns, or (one group spanning K) the per-channel permutation of each 32."""
+    if PER_CHANNEL:
+        m = n % 32
+        return (n // 32) * 32 + ((m % 8) // 2) * 8 + (m // 8) * 2 + m % 2
+    else:
+        return (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8
+
+
+@triton.jit
+def _as_operand(q, KIND: tl.constexpr):
+    """Nibbles (int32 0..15) -> exact dot operand: fp32 q-8, or fp16 1024+q / bf16 128+q."""
+    if KIND == 0:
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    elif KIND == 1:
+        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _cast(a, KIND: tl.constexpr):
+    if KIND == 0:
+        return a.to(tl.float32)
+    elif KIND == 1:
+        return a.to(tl.float16)
+    else:
+        return a.to(tl.bfloat16)
+
+
+@triton.jit
+def _dot(a, b, KIND: tl.constexpr):
+    if KIND == 0:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _int4_step(a, a_bias, w_ptrs, s_ptrs, shift, n_lo, KIND: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """One 32-row K step of one tile: a [BM, 32] x int4 words [32, BN/2] -> two scaled
+    [BM, BN/2] partial products (logical columns n_lo and n_lo + 8)."""
+    w = tl.load(w_ptrs)                                              # [32, C] int32
+    b0 = _as_operand((w >> shift[:, None]) & 0xF, KIND)
+    b1 = _as_operand((w >> (shift[:, None] + 8)) & 0xF, KIND)
+    s0 = tl.load(s_ptrs + _scale_col(n_lo, PER_CHANNEL)).to(tl.float32)          # [C]
+    s1 = tl.load(s_ptrs + _scale_col(n_lo + 8, PER_CHANNEL)).to(tl.float32)
+    d0 = (_dot(a, b0, KIND) - a_bias) * s0[None, :]
+    d1 = (_dot(a, b1, KIND) - a_bias) * s1[None, :]
+    return d0, d1
+
+
+@triton.jit
+def _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM: tl.constexpr):
+    """This program's expert (-1: nothing to do), its sorted assignments and their validity."""
+    pid_m = tl.program_id(0)
+    e = tl.load(block_expert_ptr + pid_m)
+    e_safe = tl.maximum(e, 0)
+    start = tl.load(expert_start_ptr + e_safe)
+    cnt = tl.where(e >= 0, tl.load(counts_ptr + e_safe), 0)
+    pos = pid_m * BM + tl.arange(0, BM)
+    valid = pos - start < cnt
+    assign = tl.load(sorted_ptr + pos, mask=valid, other=0)
+    return e, assign, valid
+
+
+# ---------------------------------------------------------------- GEMM kernels
+
+@triton.jit
+def _w13_kernel(
+    # in: activations x [T, H], w13 int32 [E, H/16, 4I], scales [E, H/g, 2I]
+    x_ptr, w_ptr, s_ptr,
+    # routing from align_tokens
+    sorted_ptr, block_expert_ptr, expert_start_ptr, counts_ptr,
+    # out: act [T*k, I] (SPLIT_K == 1) or fp32 gate|up [T*k, 2I] (atomic, SPLIT_K > 1)
+    out_ptr,
+    # strides (elements)
+    stride_x, stride_we, stride_wk, stride_se, stride_sg, stride_o,
+    # sizes
+    I, TOP_K, GROUP, K_STEPS, STEPS_PER_SPLIT,
+    # meta
+    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+    VEC_G: tl.constexpr, VEC_U: tl.constexpr, KIND: tl.constexpr, BIAS: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+):
+    e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM)
+    if e < 0:
+        return
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    a_rows = x_ptr + (assign // TOP_K).to(tl.int64) * stride_x      # [BM]
+    r = tl.arange(0, 32)
+    shift = 16 * (r % 2) + 4 * ((r % 16) // 8)                      # nibble of row r (bn = 0)
+    wrow = (r // 16) * stride_wk + ((r % 8) // 2) * 4               # word of row r (kt, t)
+    n0 = pid_n * BN
+    wcol_g, n_g = _tile_cols(n0, BN, VEC_G)
+    wcol_u, n_u = _tile_cols(n0 + I, BN, VEC_U)
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    s_e = s_ptr + e.to(tl.int64) * stride_se
+    g0 = tl.zeros((BM, BN // 2), tl.float32)
+    g1 = tl.zeros((BM, BN // 2), tl.float32)
+    u0 = tl.zeros((BM, BN // 2), tl.float32)
+    u1 = tl.zeros((BM, BN // 2), tl.float32)
+    k_first = pid_k * STEPS_PER_SPLIT
+    k_last = tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT)
+    for ks in range(k_first, k_last):
+        k0 = ks * 32
+        a = _cast(tl.load(a_rows[:, None] + (k0 + r)[None, :], mask=valid[:, None], other=0.0), KIND)
+        a_bias = BIAS * tl.sum(a.to(tl.float32), 1)[:, None]
+        w_k = w_e + (k0 // 16) * stride_wk + wrow[:, None]          # [32, 1]
+        s_k = s_e + (k0 // GROUP) * stride_sg
+        d0, d1 = _int4_step(a, a_bias, w_k + wcol_g[None, :], s_k, shift, n_g, KIND, PER_CHANNEL)
+        g0 += d0
+        g1 += d1
+        d0, d1 = _int4_step(a, a_bias, w_k + wcol_u[None, :], s_k, shift, n_u, KIND, PER_CHANNEL)
+        u0 += d0
+        u1 += d1
+    rows = out_ptr + assign.to(tl.int64)[:, None] * stride_o
+    if SPLIT_K == 1:  # SiLU(gate) * up, stored at logical columns n_g, n_g + 8
+        act0 = g0 / (1.0 + tl.exp(-g0)) * u0
+        act1 = g1 / (1.0 + tl.exp(-g1)) * u1
+        tl.store(rows + n_g[None, :], act0.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+        tl.store(rows + (n_g + 8)[None, :], act1.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    else:
+        tl.atomic_add(rows + n_g[None, :], g0, mask=valid[:, None])
+        tl.atomic_add(rows + (n_g + 8)[None, :], g1, mask=valid[:, None])
+        tl.atomic_add(rows + n_u[None, :], u0, mask=valid[:, None])
+        tl.atomic_add(rows + (n_u + 8)[None, :], u1, mask=valid[:, None])
+
+
+@triton.jit
+def _w2_kernel(
+    # in: act [T*k, I] or fp32 gate|up [T*k, 2I] (GATED), w2 int32 [E, I/16, 2H], scales [E, I/g, H]
+    a_ptr, w_ptr, s_ptr,
+    # routing from align_tokens, top-k weights fp32 [T*k]
+    sorted_ptr, block_expert_ptr, expert_start_ptr, counts_ptr, topk_w_ptr,
+    # out: y [T*k, H] (weighted, per assignment) or fp32 [T, H] (ATOMIC: summed over k)
+    out_ptr,
+    # strides (elements)
+    stride_a, stride_we, stride_wk, stride_se, stride_sg, stride_o,
+    # sizes
+    I, TOP_K, GROUP, K_STEPS,
+    # meta
+    BM: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr, ATOMIC: tl.constexpr,
+    VEC: tl.constexpr, KIND: tl.constexpr, BIAS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+):
+    e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM)
+    if e < 0:
+        return
+    pid_n = tl.program_id(1)
+    a_rows = a_ptr + assign.to(tl.int64) * stride_a                 # [BM]
+    r = tl.arange(0, 32)
+    shift = 16 * (r % 2) + 4 * ((r % 16) // 8)
+    wrow = (r // 16) * stride_wk + ((r % 8) // 2) * 4
+    wcol, n_lo = _tile_cols(pid_n * BN, BN, VEC)
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    s_e = s_ptr + e.to(tl.int64) * stride_se
+    acc0 = tl.zeros((BM, BN // 2), tl.float32)
+    acc1 = tl.zeros((BM, BN // 2), tl.float32)
+    for ks in range(0, K_STEPS):
+        k0 = ks * 32
+        a_ptrs = a_rows[:, None] + (k0 + r)[None, :]
+        if GATED:  # SiLU(gate) * up from w13's fp32 split-K sums
+            gate = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            up = tl.load(a_ptrs + I, mask=valid[:, None], other=0.0)
+            a = _cast(gate / (1.0 + tl.exp(-gate)) * up, KIND)
+        else:
+            a = _cast(tl.load(a_ptrs, mask=valid[:, None], other=0.0), KIND)
+        a_bias = BIAS * tl.sum(a.to(tl.float32), 1)[:, None]
+        w_k = w_e + (k0 // 16) * stride_wk + wrow[:, None]
+        d0, d1 = _int4_step(a, a_bias, w_k + wcol[None, :], s_e + (k0 // GROUP) * stride_sg,
+                            shift, n_lo, KIND, PER_CHANNEL)
+        acc0 += d0
+        acc1 += d1
+    wt = tl.load(topk_w_ptr + assign, mask=valid, other=0.0).to(tl.float32)[:, None]
+    if ATOMIC:
+        rows = out_ptr + (assign // TOP_K).to(tl.int64)[:, None] * stride_o
+        tl.atomic_add(rows + n_lo[None, :], acc0 * wt, mask=valid[:, None])
+        tl.atomic_add(rows + (n_lo + 8)[None, :], acc1 * wt, mask=valid[:, None])
+    else:
+        rows = out_ptr + assign.to(tl.int64)[:, None] * stride_o
+        ty = out_ptr.dtype.element_ty
+        tl.store(rows + n_lo[None, :], (acc0 * wt).to(ty), mask=valid[:, None])
+        tl.store(rows + (n_lo + 8)[None, :], (acc1 * wt).to(ty), mask=valid[:, None])
+
+
+# ---------------------------------------------------------------- wrapper
+
+def _vec(n0_align: int, bn: int) -> int:
+    """Contiguous words per run in a tile whose first column is a multiple of n0_align."""
+    run = min(bn // 16, 4)
+    while run > 1 and n0_align % (16 * run):
+        run //= 2
+    return run
+
+
+def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg: MoeTritonConfig):
+    """Raise ValueError on shapes, dtypes or tiles the kernels do not handle."""
+    if x.dim() != 2 or x.shape[1] != w.hidden:
+        raise ValueError(f"x must be [T, {w.hidden}], got {tuple(x.shape)}")
+    if x.dtype not in _KIND:
+        raise ValueError(f"x dtype {x.dtype} not supported (bf16, fp16 or fp32)")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids/topk_weights must be [T, k] with T = {x.shape[0]}")
+    if w.group_size % BK:
+        raise ValueError(f"group size {w.group_size} is not a multiple of {BK}")
+    h, i = w.hidden, w.inter
+    if i % BK or h % BK:
+        raise ValueError(f"hidden {h} and intermediate {i} must be multiples of {BK}")
+    if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
+        raise ValueError(f"block_m {cfg.block_m} must be a power of two >= 16")
+    for name, bn, n in [("block_n13", cfg.block_n13, i), ("block_n2", cfg.block_n2, h)]:
+        if bn < 32 or bn & (bn - 1) or n % bn:
+            raise ValueError(f"{name}={bn} must be a power of two >= 32 dividing {n}")
+
+
+def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w,
+                     config: MoeTritonConfig | None = None) -> torch.Tensor:
+    """Triton INT4 MoE on Marlin weights: x `[T, H]`, routing `[T, k]`, `MarlinMoE` -> `[T, H]`.
+
+    Same maths as `kernels.moe.fused_moe_ref`; fp32 accumulation, intermediate
+    activations in x's dtype (fp32 when w13 is split over K). No host syncs.
+    """
+    cfg = config or default_config(topk_ids.shape[0], topk_ids.shape[1], w.n_experts, w.inter,
+                                   w.hidden, _sm_count(x.device))
+    check_inputs(x, topk_ids, topk_weights, w, cfg)
+    routing = align_tokens(topk_ids, w.n_experts, cfg.block_m)
+    mid = triton_w13(x, routing, topk_ids.shape[1], w, cfg)
+    return triton_w2(mid, routing, topk_weights, w, cfg, x.dtype)
+
+
+def _meta(dtype: torch.dtype, cfg: MoeTritonConfig) -> dict:
+    kind = _KIND[dtype]
+    return dict(KIND=kind, BIAS=_BIAS[kind], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def triton_w13(x: torch.Tensor, routing: tuple, top_k: int, w, cfg: MoeTritonConfig) -> torch.Tensor:
+    """The w13 GEMM alone (routing from `align_tokens` with cfg.block_m): x `[T, H]` ->
+    SiLU(gate)*up `[T*k, I]` in x's dtype, or with split-K fp32 gate|up sums `[T*k, 2I]`."""
+    t, h, i = x.shape[0], w.hidden, w.inter
+    x = x.contiguous()
+    n_blocks = routing[1].numel()
+    k_steps = h // BK
+    per_split = triton.cdiv(k_steps, max(1, min(cfg.split_k, k_steps)))
+    split = triton.cdiv(k_steps, per_split)
+    if split == 1:
+        mid = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)
+    else:
+        mid = torch.zeros(t * top_k, 2 * i, dtype=torch.float32, device=x.device)
+    w13, s13 = w.w13, w.w13_scale
+    _w13_kernel[(n_blocks, i // cfg.block_n13, split)](
+        x, w13, s13, *routing, mid,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), mid.stride(0),
+        i, top_k, w.group_size, k_steps, per_split,
+        BM=cfg.block_m, BN=cfg.block_n13, SPLIT_K=split,
+        VEC_G=_vec(cfg.block_n13, cfg.block_n13), VEC_U=_vec(i, cfg.block_n13),
+        PER_CHANNEL=h == w.group_size, **_meta(x.dtype, cfg))
+    return mid
+
+
+def triton_w2(mid: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w,
+              cfg: MoeTritonConfig, dtype: torch.dtype) -> torch.Tensor:
+    """The w2 GEMM alone, top-k weights and the sum over k included: `triton_w13`'s output
+    -> `[T, H]` in `dtype` (x's dtype)."""
+    t, k = topk_weights.shape
+    h, i = w.hidden, w.inter
+    gated = mid.shape[1] == 2 * i                 # fp32 gate|up sums from a split-K w13
+    n_blocks = routing[1].numel()
+    w2, s2 = w.w2, w.w2_scale
+    tw = topk_weights.reshape(-1).float().contiguous()
+    if cfg.atomic_out:
+        y = torch.zeros(t, h, dtype=torch.float32, device=mid.device)
+    else:
+        y = torch.empty(t * k, h, dtype=dtype, device=mid.device)
+    _w2_kernel[(n_blocks, h // cfg.block_n2)](
+        mid, w2, s2, *routing, tw, y,
+        mid.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        i, k, w.group_size, i // BK,
+        BM=cfg.block_m, BN=cfg.block_n2, GATED=gated, ATOMIC=cfg.atomic_out,
+        VEC=_vec(cfg.block_n2, cfg.block_n2), PER_CHANNEL=i == w.group_size, **_meta(dtype, cfg))
+    if cfg.atomic_out:
+        return y.to(dtype)
+    return y.view(t, k, h).sum(1)                                          # [T, H]
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def with_config(cfg: MoeTritonConfig, **changes) -> MoeTritonConfig:
+    return replace(cfg, **changes)
