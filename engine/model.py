@@ -128,8 +128,14 @@ class MLP(nn.Module):
         self.w13 = ColumnParallelLinear(hidden, 2 * inter, comm, device, dtype)
         self.w2 = RowParallelLinear(inter, hidden, comm, device, dtype)
 
-    def forward(self, x, reduce: bool = True):
-        return self.w2(self.ops.silu_mul(self.w13(x)), reduce=reduce)          # [.., 2I/tp] -> [.., H]
+    def forward(self, x, reduce: bool = True, add=None):
+        """`add` (same shape as the output) is summed into the down GEMM (addmm, one kernel)."""
+        act = self.ops.silu_mul(self.w13(x))                                   # [.., 2I/tp] -> [.., I/tp]
+        if add is None:
+            return self.w2(act, reduce=reduce)                                 # [.., H]
+        y = torch.addmm(add.reshape(-1, add.shape[-1]), act.reshape(-1, act.shape[-1]),
+                        self.w2.weight.t()).view(add.shape)                   # add + act W2^T
+        return self.w2.comm.all_reduce(y) if reduce else y
 
 
 class MoE(nn.Module):
@@ -160,12 +166,16 @@ class MoE(nn.Module):
             ids, w = self.ops.route(xf, self.gate, self.bias, self.cfg.top_k, self.cfg.routed_scaling)  # [N, k]
             y = fused_moe(xf, ids, w, self.experts(), self.backend)            # [N, H] partial
         with phase("mlp"):
-            y = y + self.shared(xf, reduce=False)
+            y = self.shared(xf, reduce=False, add=y)                           # routed + shared
         return self.comm.all_reduce(y).view(b, t, h)                          # [B, T, H]
 
 
 class Block(nn.Module):
-    """Pre-norm block: h += attn(norm(h)); h += ffn(norm(h)), ffn dense (layer 0) or MoE."""
+    """Pre-norm block: h += attn(norm(h)); h += ffn(norm(h)), ffn dense (layer 0) or MoE.
+
+    Residual adds are fused into the next norm: a block takes the residual stream `h`
+    without the previous block's output `delta` and returns (h, its own output), so each
+    add rides in an RMSNorm kernel (h, x = h + delta, norm(h + delta))."""
 
     def __init__(self, cfg: ModelConfig, comm: Comm, layer: int, moe_backend, attn_backend, ops: Ops,
                  device, dtype):
@@ -177,15 +187,18 @@ class Block(nn.Module):
         self.ffn = (MLP(cfg.hidden, cfg.dense_inter, comm, ops, device, dtype) if self.dense
                     else MoE(cfg, comm, moe_backend, ops, device, dtype))
 
-    def forward(self, h, cos, sin, cache, prefix_len, visible):
+    def forward(self, h, delta, cos, sin, cache, prefix_len, visible):
+        """-> (h + delta + attn output, ffn output): the residual stream after this block
+        is the sum of the two."""
         with phase("attention"):
-            a = self.attn(self.attn_norm(h), cos, sin, cache, prefix_len, visible)
+            x, h = self.attn_norm(delta, residual=h) if delta is not None else (self.attn_norm(h), h)
+            a = self.attn(x, cos, sin, cache, prefix_len, visible)
         with phase("mlp"):
             x, h = self.ffn_norm(a, residual=h)                                 # h += a; x = norm(h)
         if self.dense:
             with phase("mlp"):
-                return h + self.ffn(x)
-        return h + self.ffn(x)
+                return h, self.ffn(x)
+        return h, self.ffn(x)
 
 
 class Transformer(nn.Module):
@@ -235,15 +248,17 @@ class Transformer(nn.Module):
         hiddens `[B, T, len(hidden_layers), H]` or None): hidden of layer i is the residual
         stream after block i.
         """
-        h = self.embed(tokens)                                                  # [B, T, H]
+        h, delta = self.embed(tokens), None                                    # [B, T, H]
         cos, sin = rope_cos_sin(positions, self.freqs)                         # [B, T, Dr/2] each
         keep = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, prefix_len, visible)
+            h, delta = layer(h, delta, cos, sin, cache, prefix_len, visible)
             if i in hidden_layers:
-                keep[i] = h
+                keep[i] = h + delta
         hiddens = torch.stack([keep[i] for i in hidden_layers], dim=2) if hidden_layers else None  # [B, T, n, H]
-        return self.logits(h), hiddens
+        with phase("lm_head"):
+            x, _ = self.norm(delta, residual=h)
+            return self.head(x), hiddens
 
     def new_cache(self, n_streams: int, max_len: int, dtype=None) -> KVCache:
         """A KV cache for this model on its device."""
