@@ -141,8 +141,9 @@ class DrafterLayer(nn.Module):
         v = self.wv(x).view(n, t, -1, self.dc.head_dim)
         return rope(k, positions, freqs), v
 
-    def forward(self, x, positions, freqs, ctx_k, ctx_v, ctx_mask):
-        """x `[N, B, H]`; ctx_k/v `[N, S, kv_local, hd]`; ctx_mask bool `[N, S]`."""
+    def attn(self, x, positions, freqs, ctx_k, ctx_v, ctx_mask):
+        """Attention branch: x `[N, B, H]`; ctx_k/v `[N, S, kv_local, hd]`; ctx_mask bool
+        `[N, S]` -> `[N, B, H]` (summed over ranks)."""
         n, b, _ = x.shape
         hd, hkv = self.dc.head_dim, self.dc.n_local_kv_heads
         g = self.dc.n_local_heads // hkv                                        # queries per KV head
@@ -155,9 +156,16 @@ class DrafterLayer(nn.Module):
         mask = torch.cat([ctx_mask, ctx_mask.new_ones(n, b)], 1)                # [N, S+B]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.view(n, 1, 1, -1))   # [N, hkv, g*B, hd]
         o = o.view(n, hkv, g, b, hd).permute(0, 3, 1, 2, 4).reshape(n, b, -1)   # [N, B, hq*hd]
-        x = x + self.wo(o)
+        return self.wo(o)
+
+    def mlp(self, x):
+        """SwiGLU branch `[N, B, H]` -> `[N, B, H]` (summed over ranks)."""
         gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        return self.w2(F.silu(gate) * up)
+
+    def forward(self, x, positions, freqs, ctx_k, ctx_v, ctx_mask):
+        x = x + self.attn(x, positions, freqs, ctx_k, ctx_v, ctx_mask)
+        return x + self.mlp(x)
 
 
 class Drafter(nn.Module):
