@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# ddbench decode on one H200: the engine core. Steps, each independent:
+#   1. engine kernel tests in bf16 + fp32 (tests/test_engine_kernels.py) and the GPU tests of
+#      tests/test_engine.py (CUDA-graph decode == eager decode, graph phase timing, bf16 GPU
+#      path vs the fp32 torch path, the simulated-rank CLI on the tiny preset)
+#   2. ddbench decode --preset k2.6 --tp 8 --simulate-rank 0 at concurrency 1 and 10:
+#      the full 61-layer TP-8 rank-0 shard (~76 GB: 71 GB INT4 experts + 5 GB bf16) with
+#      random weights drawn on the GPU, CUDA graph per step, all-reduces modelled with the
+#      nvlink-h200 all-reduce model; prompt 128, 64 new tokens
+#   3. ddbench report on the CSV (stacked per-phase step time)
+# Writes results/h200/decode/ (CSV + JSON sidecar, plot, logs), copied to $OUT if set.
+# Expected runtime: about 2-3 minutes (init ~20 s, Triton compiles ~30-60 s, decode < 30 s).
+cd "$(dirname "$0")/../.."
+set -o pipefail
+export PYTHONUNBUFFERED=1
+dir=results/h200/decode
+mkdir -p "$dir"
+log() { tee -a "$dir/decode_gpu.log"; }
+
+timeout 150 python3 -m pytest -q tests/test_engine_kernels.py 2>&1 | log || echo "FAILED engine kernel tests"
+timeout 150 python3 -m pytest -q -m gpu tests/test_engine.py 2>&1 | log || echo "FAILED engine gpu tests"
+
+timeout 300 python3 -m ddbench decode --preset k2.6 --tp 8 --simulate-rank 0 --concurrency 1,10 \
+  --prompt-len 128 --new-tokens 64 --allreduce-model nvlink-h200 --out "$dir" 2>&1 | log \
+  || echo "FAILED decode k2.6 tp8 simulated rank 0"
+
+timeout 60 python3 -m ddbench report "$dir" --out "$dir/report" 2>&1 | log || echo "FAILED decode report"
+
+[ -n "$OUT" ] && mkdir -p "$OUT/decode" && cp -r "$dir"/. "$OUT/decode/"
+
+python3 - <<'PY' || echo "FAILED decode summary"
+import glob, json
+import pandas as pd
+pd.set_option("display.width", 250)
+for f in sorted(glob.glob("results/h200/decode/decode_*.csv")):
+    d = pd.read_csv(f)
+    meta = json.load(open(f[:-4] + ".json"))
+    print(f"\n== {f}: {meta.get('preset')} tp={meta.get('tp')} {meta.get('mode')} init={meta.get('init')} "
+          f"init_s={meta.get('init_s')} mem={meta.get('gpu_mem_allocated_gib')}/{meta.get('gpu_mem_peak_gib')} GiB "
+          f"completed={meta.get('completed')} {meta.get('error', '')}")
+    cols = ["concurrency", "cuda_graph", "phase_method", "step_us", "comm_us", "step_total_us",
+            "output_tok_per_s", "attention_us", "moe_us", "mlp_us", "lm_head_us", "other_us", "phases_sum_us",
+            "floor_us", "floor_ratio", "moe_backend", "attn_backend"]
+    print(d[[c for c in cols if c in d]].to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+PY
