@@ -345,6 +345,7 @@ def e2e(
     init: str = typer.Option("auto", "--init", help="Random init: auto, exact or shard."),
     baseline: Path = typer.Option(Path("results/baseline"), "--baseline",
                                   help="Folder with baseline CSVs (kind 'baseline') shown beside the engine."),
+    name: Optional[str] = typer.Option(None, "--name", help="Result file name (default e2e_<time>)."),
     seed: int = SEED, out: Path = OUT,
     override: Optional[List[str]] = OVERRIDE,
 ):
@@ -366,7 +367,7 @@ def e2e(
         concurrency=parse_int_list(concurrency, "--concurrency"), budgets=parse_int_list(budget, "--budget"),
         acceptance=acceptance.split(","), prompt_len=prompt_len, new_tokens=new_tokens, checkpoint=checkpoint,
         allreduce_model=allreduce_model, moe_backend=moe_backend, attn_backend=attn_backend, graph=graph,
-        init=init, topk=topk, seed=seed, out=out, override=override, baseline=baseline)
+        init=init, topk=topk, seed=seed, out=out, override=override, baseline=baseline, name=name)
 
 
 def main():

@@ -227,7 +227,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
         budgets: list[int], acceptance: list[str], prompt_len: str, new_tokens: int, checkpoint: Path | None,
         allreduce_model: str | None, moe_backend: str, attn_backend: str, graph: bool, init: str,
         topk: int | None, seed: int, out: Path, override: list[str] | None,
-        baseline: Path = Path("results/baseline")) -> Path:
+        baseline: Path = Path("results/baseline"), name: str | None = None) -> Path:
     from rich.console import Console
     from rich.progress import Progress
 
@@ -290,7 +290,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
                         moe_backend=moe, attn_backend=attn, acceptance=[a.label for a in accs],
                         method=__doc__.split("How a run is timed (engine/spec.py has the loop):")[1].strip())
     n_rows = len(concurrency) * (1 + len(budgets) * len(accs))
-    with ResultWriter(out, "e2e", meta) as writer, Progress(console=console) as progress:
+    with ResultWriter(out, "e2e", meta, name=name) as writer, Progress(console=console) as progress:
         task = progress.add_task(f"init {cfg.name} tp={tp} rank {rank}", total=n_rows)
         comm = SimComm(tp, rank, predict) if tp > 1 else LocalComm()
         t0 = time.perf_counter()
@@ -319,6 +319,37 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     print_table(console, writer.rows, baseline_rows([baseline]))
     console.print(f"wrote {writer.path}")
     return writer.path
+
+
+TARGETS = {1: 700.0, 10: 2000.0}      # issue 10: projected TP-8 tok/s at TAU = 6
+FLOOR_TARGET = 1.3
+
+
+def summary(paths) -> None:
+    """Print, per concurrency: AR, the best DDTree budget per acceptance, and the issue's
+    targets (TAU=6: >= 700 tok/s at c=1, >= 2000 at c=10; step <= 1.3x floor + comm)."""
+    import pandas as pd
+
+    df = pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+    for c, g in df.groupby("concurrency"):
+        ar = g[g.decoder == "ar"]
+        if len(ar):
+            r = ar.iloc[0]
+            print(f"c={c:<3} AR: {r.output_tok_per_s:8.1f} tok/s  step {r.step_total_us:8.0f} us "
+                  f"(comm {r.comm_us:.0f})  x floor {r.floor_ratio}  graph={r.cuda_graph}")
+        for acc, h in g[g.decoder == "ddtree"].groupby("acceptance"):
+            best = h.loc[h.output_tok_per_s.idxmax()]
+            line = (f"c={c:<3} {acc:<14} best budget {int(best.budget):4d}: {best.output_tok_per_s:8.1f} tok/s, "
+                    f"acc len {best.mean_accepted:.2f}, step {best.step_total_us:8.0f} us, x floor {best.floor_ratio}, "
+                    f"graph={best.cuda_graph}; by budget: "
+                    + " ".join(f"{int(b)}:{t:.0f}" for b, t in zip(h.budget, h.output_tok_per_s)))
+            print(line)
+            if acc == "synthetic:6" and int(c) in TARGETS:
+                ok = best.output_tok_per_s >= TARGETS[int(c)]
+                fl = best.floor_ratio
+                print(f"   target c={c} TAU=6: {best.output_tok_per_s:.0f} vs >= {TARGETS[int(c)]:.0f} tok/s -> "
+                      f"{'MET' if ok else 'MISSED'}; step / (floor + comm) = {fl} vs <= {FLOOR_TARGET} -> "
+                      f"{'MET' if fl == fl and fl is not None and fl <= FLOOR_TARGET else 'MISSED'}")
 
 
 # --- report plots ----------------------------------------------------------------------
