@@ -228,14 +228,14 @@ def _w13_kernel(
     x_ptr, w_ptr, s_ptr,
     # routing from align_tokens
     sorted_ptr, block_expert_ptr, expert_start_ptr, counts_ptr,
-    # out: act [T*k, I] (SPLIT_K == 1) or fp32 gate|up [T*k, 2I] (atomic, SPLIT_K > 1)
+    # out: act [T*k, I], or with SPLIT (K split over programs) fp32 gate|up [T*k, 2I] added atomically
     out_ptr,
     # strides (elements)
     stride_x, stride_we, stride_wk, stride_se, stride_sg, stride_o,
     # sizes
     I, TOP_K, GROUP, K_STEPS, STEPS_PER_SPLIT,
     # meta
-    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
     VEC_G: tl.constexpr, VEC_U: tl.constexpr, KIND: tl.constexpr, BIAS: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
 ):
@@ -272,7 +272,7 @@ def _w13_kernel(
         u0 += d0
         u1 += d1
     rows = out_ptr + assign.to(tl.int64)[:, None] * stride_o
-    if SPLIT_K == 1:  # SiLU(gate) * up, stored at logical columns n_g, n_g + 8
+    if not SPLIT:  # SiLU(gate) * up, stored at logical columns n_g, n_g + 8
         act0 = g0 / (1.0 + tl.exp(-g0)) * u0
         act1 = g1 / (1.0 + tl.exp(-g1)) * u1
         tl.store(rows + n_g[None, :], act0.to(out_ptr.dtype.element_ty), mask=valid[:, None])
@@ -408,7 +408,7 @@ def triton_w13(x: torch.Tensor, routing: tuple, top_k: int, w, cfg: MoeTritonCon
         x, w13, s13, *routing, mid,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), mid.stride(0),
         i, top_k, w.group_size, k_steps, per_split,
-        BM=cfg.block_m, BN=cfg.block_n13, SPLIT_K=split,
+        BM=cfg.block_m, BN=cfg.block_n13, SPLIT=split > 1,
         VEC_G=_vec(cfg.block_n13, cfg.block_n13), VEC_U=_vec(i, cfg.block_n13),
         PER_CHANNEL=h == w.group_size, **_meta(x.dtype, cfg))
     return mid
