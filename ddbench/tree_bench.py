@@ -242,7 +242,7 @@ def summary(csv_path) -> None:
             print(f"builder   budget {budget:4d} x 10 streams: {r.time_us:8.1f} us (graph={r.cuda_graph})")
     for r in pick("attn", streams=10, heads=8, prefix=8192).sort_values("t").itertuples():
         ok = "OK " if r.pct_copy_bw >= 60 else "LOW"
-        print(f"attn {ok} 8 heads x 10 streams x 8k, T={r.t:4d}: {r.time_us:8.1f} us  {r.bw_gbps:7.0f} GB/s "
+        print(f"attn {ok} 8 heads x 10 streams x 8k, T={int(r.t):4d}: {r.time_us:8.1f} us  {r.bw_gbps:7.0f} GB/s "
               f"= {r.pct_copy_bw:5.1f}% of copy {r.copy_bw_gbps:.0f}  {r.tflops:6.1f} TFLOP/s  err {r.max_abs_err}")
     for budget in (16, 64, 256, 512):
         for r in pick("accept_commit", streams=10, budget=budget).itertuples():

@@ -67,17 +67,26 @@ def _check_tree_inputs(logp: torch.Tensor, token_ids: torch.Tensor, budget: int)
 # top-K extraction
 # --------------------------------------------------------------------------------------
 
-def topk_from_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_from_logits(logits: torch.Tensor, k: int, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position top-k of log_softmax(logits), sorted descending.
 
     logits `[B, L, V]` (any float dtype) -> (logp fp32 `[B, L, k]`, token ids int64 `[B, L, k]`).
     Runs on the logits' device with no host sync: topk of the raw logits (same order as of
-    the log-probs) minus each position's logsumexp in fp32.
+    the log-probs) minus each position's logsumexp in fp32. A long vocab is cut into
+    `chunk`-wide pieces (top-k of each, then of the candidates), which keeps the GPU busy
+    where one top-k per position would run only B*L blocks.
     """
-    if k < 1 or k > logits.shape[-1]:
-        raise ValueError(f"k must be in 1..{logits.shape[-1]}, got {k}")
-    vals, ids = torch.topk(logits, k, dim=-1, sorted=True)                 # [B, L, k]
-    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)            # [B, L, 1]
+    b, n_pos, v = logits.shape
+    if k < 1 or k > v:
+        raise ValueError(f"k must be in 1..{v}, got {k}")
+    if v % chunk == 0 and v >= 2 * chunk and k <= chunk:
+        pv, pi = logits.view(b, n_pos, v // chunk, chunk).topk(k, dim=-1)          # [B, L, V/chunk, k]
+        pi = pi + torch.arange(0, v, chunk, device=logits.device).view(1, 1, -1, 1)
+        vals, j = pv.reshape(b, n_pos, -1).topk(k, dim=-1, sorted=True)          # [B, L, k]
+        ids = pi.reshape(b, n_pos, -1).gather(-1, j)
+    else:
+        vals, ids = torch.topk(logits, k, dim=-1, sorted=True)                    # [B, L, k]
+    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)                   # [B, L, 1]
     return vals.float() - lse, ids
 
 
@@ -166,14 +175,12 @@ def _build_tree_kernel(
     exists = is_root
     score = tl.zeros([F], tl.float32)                  # path score of node v
     depth = tl.zeros([F], tl.int32)
+    parent = tl.where(is_root, -1, 0)
     nchild = tl.zeros([F], tl.int32)                   # children popped = rank of v's candidate
     post = tl.where(is_root, 0, 4095)                  # postorder index among existing nodes
     live = is_root                                     # v has a candidate (L, K >= 1)
     cand = tl.load(lp + zero, mask=live, other=neg_inf)
-    tl.store(parent_ptr + out + idx, -1 + zero, mask=is_root)
-    tl.store(depth_ptr + out + idx, zero, mask=is_root)
     tl.store(rank_ptr + out + idx, -1 + zero, mask=is_root)
-    tl.store(token_ptr + out + idx, (-1 + zero).to(token_ptr.dtype.element_ty), mask=is_root)
 
     for n in range(1, N):
         # -- pick the best candidate --
@@ -191,12 +198,8 @@ def _build_tree_kernel(
         sn = tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
         sel = idx == v
 
-        # -- node n = (v, nchild[v]): written from v's lane --
-        tl.store(parent_ptr + out + n + zero, idx, mask=sel)
-        tl.store(depth_ptr + out + n + zero, depth + 1, mask=sel)
+        # -- node n = (v, nchild[v]); its rank is known only in v's lane --
         tl.store(rank_ptr + out + n + zero, nchild, mask=sel)
-        tok = tl.load(tk + depth * s_tl + nchild, mask=sel)
-        tl.store(token_ptr + out + n + zero, tok, mask=sel)
 
         # -- v's candidate moves to its next child rank --
         nchild = nchild + sel.to(tl.int32)
@@ -212,10 +215,20 @@ def _build_tree_kernel(
         exists = exists | seln
         score = tl.where(seln, sn, score)
         depth = tl.where(seln, dv + 1, depth)
-        deeper = (dv + 1 + zero) < L
-        lpn = tl.load(lp + (dv + 1) * s_ll + zero, mask=seln & deeper, other=neg_inf)
-        cand = tl.where(seln, sn + lpn, cand)
+        parent = tl.where(seln, v, parent)
+        deeper = dv + 1 < L
+        lpn = tl.load(lp + tl.minimum(dv + 1, L - 1) * s_ll)            # one scalar load
+        cand = tl.where(seln, tl.where(deeper, sn + lpn, neg_inf), cand)
         live = tl.where(seln, deeper, live)
+
+    # -- outputs: whole vectors; tokens gathered by (depth - 1, rank) after the rank stores --
+    ok = idx < N
+    tl.store(parent_ptr + out + idx, parent, mask=ok)
+    tl.store(depth_ptr + out + idx, depth, mask=ok)
+    tl.debug_barrier()                                 # rank was stored lane-by-lane above
+    rank = tl.load(rank_ptr + out + idx, mask=ok & (idx > 0), other=0)
+    tok = tl.load(tk + (depth - 1) * s_tl + rank, mask=ok & (idx > 0), other=-1)
+    tl.store(token_ptr + out + idx, tok.to(token_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -277,7 +290,7 @@ def build_tree(logp: torch.Tensor, token_ids: torch.Tensor, budget: int, num_war
     token = torch.empty(b, n, dtype=tid.dtype, device=dev)
     f = max(triton.next_power_of_2(n), 32)
     if num_warps is None:
-        num_warps = 1 if f <= 128 else (2 if f <= 512 else 4)
+        num_warps = min(max(f // 128, 1), 16)
     _build_tree_kernel[(b,)](lp, tid, lp.stride(0), lp.stride(1), tid.stride(0), tid.stride(1),
                              parent, depth, rank, token, n, n_pos, k, F=f, num_warps=num_warps)
     vis = visible_from_parent(parent, min(n_pos, budget))

@@ -129,10 +129,11 @@ def _mla_combine_kernel(
     plen_ptr,
     out_ptr, so_b, so_t, so_h,            # [B, T, H, DL]
     T, H, R, NS, chunk,
-    DL: tl.constexpr, BLOCK_M: tl.constexpr,
+    DL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Program (query block, stream): merge the splits that hold any of this stream's KV."""
-    mb, b = tl.program_id(0), tl.program_id(1)
+    """Program (query block, latent block, stream): merge the splits that hold any of this
+    stream's KV, BLOCK_S splits per load so the loads are wide, not a chain of small ones."""
+    mb, db, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
     kv_len = tl.load(plen_ptr + b).to(tl.int32) + T
     n_split = tl.minimum((kv_len + chunk - 1) // chunk, NS)
@@ -140,19 +141,23 @@ def _mla_combine_kernel(
     rok = rows < R
     t = rows // H
     h = rows % H
-    dl = tl.arange(0, DL)
+    dl = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    sp = tl.arange(0, BLOCK_S)
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for sp in range(0, n_split):
-        m = tl.load(m_part_ptr + (b64 * NS + sp) * R + rows, mask=rok, other=float("-inf"))
-        m_all = tl.maximum(m_all, m)
+    for s0 in range(0, n_split, BLOCK_S):
+        ok = ((s0 + sp) < n_split)[:, None] & rok[None, :]                                 # [BS, BM]
+        part = (b64 * NS + s0 + sp)[:, None] * R + rows[None, :]
+        m_all = tl.maximum(m_all, tl.max(tl.load(m_part_ptr + part, mask=ok, other=float("-inf")), axis=0))
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-    acc = tl.zeros([BLOCK_M, DL], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     l_all = tl.zeros([BLOCK_M], tl.float32)
-    for sp in range(0, n_split):
-        part = (b64 * NS + sp) * R + rows
-        w = tl.exp2(tl.load(m_part_ptr + part, mask=rok, other=float("-inf")) - m_all)     # [BM]
-        l_all += w * tl.load(l_part_ptr + part, mask=rok, other=0.0)
-        acc += w[:, None] * tl.load(o_part_ptr + part[:, None] * DL + dl[None, :], mask=rok[:, None], other=0.0)
+    for s0 in range(0, n_split, BLOCK_S):
+        ok = ((s0 + sp) < n_split)[:, None] & rok[None, :]                                 # [BS, BM]
+        part = (b64 * NS + s0 + sp)[:, None] * R + rows[None, :]
+        w = tl.exp2(tl.load(m_part_ptr + part, mask=ok, other=float("-inf")) - m_all[None, :])
+        l_all += tl.sum(w * tl.load(l_part_ptr + part, mask=ok, other=0.0), axis=0)
+        o = tl.load(o_part_ptr + part[:, :, None] * DL + dl[None, None, :], mask=ok[:, :, None], other=0.0)
+        acc += tl.sum(w[:, :, None] * o, axis=0)                                           # [BM, BD]
     o = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]         # l = 0 only on padding rows
     tl.store(out_ptr + b64 * so_b + t[:, None] * so_t + h[:, None] * so_h + dl[None, :],
              o.to(out_ptr.dtype.element_ty), mask=rok[:, None])
@@ -223,8 +228,8 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         DL=dl, DR=dr, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, PREC=prec,
         num_warps=num_warps, num_stages=num_stages)
     if not direct:
-        bm = 16
-        _mla_combine_kernel[(triton.cdiv(rows, bm), b)](
+        bm, bd = min(16, triton.next_power_of_2(rows)), min(64, dl)
+        _mla_combine_kernel[(triton.cdiv(rows, bm), dl // bd, b)](
             o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
-            t, h, rows, ns, chunk, DL=dl, BLOCK_M=bm, num_warps=4)
+            t, h, rows, ns, chunk, DL=dl, BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=8, num_warps=4)
     return out

@@ -125,11 +125,11 @@ def test_budget_checks():
         build_tree_ref(lp, ids, 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_topk_from_logits(dtype):
+@pytest.mark.parametrize("dtype,chunk", [(torch.float32, 2048), (torch.float16, 2048), (torch.float32, 64)])
+def test_topk_from_logits(dtype, chunk):
     gen = torch.Generator().manual_seed(5)
-    logits = (torch.randn(2, 3, 300, generator=gen) * 3).to(dtype)
-    lp, ids = topk_from_logits(logits, 7)
+    logits = (torch.randn(2, 3, 320, generator=gen) * 3).to(dtype)
+    lp, ids = topk_from_logits(logits, 7, chunk=chunk)          # chunk 64: the two-stage path
     ref = torch.log_softmax(logits.float(), -1)
     assert lp.dtype == torch.float32 and ids.shape == (2, 3, 7)
     assert torch.all(lp[..., :-1] >= lp[..., 1:])

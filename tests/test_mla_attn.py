@@ -33,6 +33,7 @@ CASES = [  # streams, new tokens, heads, cache len, prefix per stream, splits (N
     (3, 6, 2, 96, [7, 0, 80], 1),          # one split: normalized output written directly
     (2, 9, 4, 70, [61, 25], 5),            # splits smaller than the tree region
     (2, 1, 8, 80, [79, 33], None),         # decode
+    (2, 3, 2, 160, [150, 40], 10),         # more splits than one combine load holds
 ]
 
 
