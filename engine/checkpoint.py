@@ -145,11 +145,15 @@ class Reader:
             self.weight_map = json.loads(idx.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
             raise ConfigError(f"{idx}: not a safetensors index ({e})") from None
+        # multimodal K2.x checkpoints prefix the text model (e.g. "language_model.")
+        anchor = "model.embed_tokens.weight"
+        found = [n for n in self.weight_map if n.endswith(anchor)]
+        self.prefix = min(found, key=len)[:-len(anchor)] if found else ""
         self._open, self._files = safe_open, {}
 
     def slice(self, name: str):
         """The lazy safetensors slice of `name` (ConfigError if it is missing)."""
-        fname = self.weight_map.get(name)
+        fname = self.weight_map.get(self.prefix + name)
         if fname is None:
             raise ConfigError(f"checkpoint {self.path}: missing tensor {name}")
         if fname not in self._files:
@@ -161,7 +165,7 @@ class Reader:
             except Exception as e:  # noqa: BLE001 - any unreadable shard is a bad checkpoint
                 raise ConfigError(f"checkpoint {self.path}: tensor {name}: cannot read {fname} ({e})") from None
         try:
-            return self._files[fname].get_slice(name)
+            return self._files[fname].get_slice(self.prefix + name)
         except Exception:  # noqa: BLE001 - index says it is there, file does not
             raise ConfigError(f"checkpoint {self.path}: missing tensor {name} (not in {fname})") from None
 
@@ -205,7 +209,8 @@ def load_into(model, path: Path) -> None:
                     q, s = _read_expert(rd, cfg, layer, e, proj, i0, i1, g)
                     local[proj][0].append(q)
                     local[proj][1].append(s)
-            stacked = {p: (torch.stack(q), torch.stack(s)) for p, (q, s) in local.items()}  # [e, out, in]
+            dev = moe.w13.device  # repack on the model's device
+            stacked = {p: (torch.stack(q).to(dev), torch.stack(s).to(dev)) for p, (q, s) in local.items()}
             W.set_experts(moe, experts, W.to_marlin(cfg, stacked))
 
 

@@ -15,7 +15,8 @@ Random init, two modes that draw from the same distributions:
   tensor name) and then sharded, so every TP degree and rank sees the same model (TP=2
   equals TP=1) and `engine.checkpoint.write_checkpoint` writes exactly these tensors.
 - "shard": only the rank's shard is drawn, directly on the model's device, from a
-  generator seeded by (seed, name, rank). This is how a K2.6 TP-8 rank shard (~76 GB:
+  generator seeded by (seed, name, rank) (replicated tensors: by (seed, name), so every
+  rank holds the same copy). This is how a K2.6 TP-8 rank shard (~76 GB:
   71 GB INT4 experts, 5 GB bf16) initialises in seconds on one GPU.
   "auto" picks "exact" when the full routed experts are under 1 GB, else "shard".
 
@@ -174,7 +175,9 @@ def init_random(model, seed: int = 0, mode: str = "auto") -> str:
         if mode == "exact":
             param.copy_(shard(random_full(cfg, name, shape, seed), split, cfg.tp, cfg.rank))
         else:
-            g = torch.Generator(device=dev).manual_seed(seed_of(seed, name, cfg.rank))
+            # replicated tensors (split None) get the same draw on every rank
+            who = -1 if split is None else cfg.rank
+            g = torch.Generator(device=dev).manual_seed(seed_of(seed, name, "shard", who))
             fan_in = shape[1] if len(shape) == 2 else shape[0]
             param.copy_(draw(cfg, name, param.shape, fan_in, g, device=dev, dtype=param.dtype))
     for layer, moe in model.moe_blocks().items():

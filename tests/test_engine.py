@@ -94,6 +94,18 @@ def test_simulated_rank_runs_and_models_comm():
     assert comm.modelled_us == pytest.approx(5.0 * (comm.calls - 1) + 2.5)
 
 
+def test_shard_init_replicates_what_is_replicated():
+    a, b = (tiny_model(tp=2, rank=r, comm=SimComm(2, r, lambda n: 0.0)) for r in (0, 1))
+    for r, m in enumerate((a, b)):
+        init_random(m, 0, mode="shard")
+    wa, wb = a.hf_weights(), b.hf_weights()
+    for name, (t, split) in wa.items():
+        same = torch.equal(t, wb[name][0])
+        assert same == (split is None), name
+    for moe_a, moe_b in zip(a.moe_blocks().values(), b.moe_blocks().values()):
+        assert not torch.equal(moe_a.w13, moe_b.w13)
+
+
 # ---- tensor parallelism over gloo ------------------------------------------------------
 
 def _tp_worker(rank, tp, port, tokens, out_path):
@@ -357,3 +369,23 @@ def test_gpu_simulated_rank_decode_cli(tmp_path):
     assert r.exit_code == 0, r.output
     df = pd.read_csv(next(tmp_path.glob("decode_*.csv")))
     assert df.cuda_graph.all() and (df.phase_method == "graph").all() and (df.floor_us > 0).all()
+
+
+def test_prefixed_checkpoint_names_load(hf_dir, tmp_path):
+    """Multimodal K2.x checkpoints keep the text model under a prefix (language_model.)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.checkpoint import load_checkpoint
+
+    d = tmp_path / "prefixed"
+    shutil.copytree(hf_dir, d)
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    for f in set(idx["weight_map"].values()):
+        save_file({"language_model." + k: v for k, v in load_file(str(d / f)).items()}, str(d / f))
+    idx["weight_map"] = {"language_model." + k: v for k, v in idx["weight_map"].items()}
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    tokens = torch.randint(0, 1024, (1, 3))
+    assert torch.equal(run(load_checkpoint(d, dtype=torch.float32), tokens), run(tiny_model(seed=5), tokens))
