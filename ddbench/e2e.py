@@ -11,9 +11,10 @@ How a run is timed (engine/spec.py has the loop):
   KV commit + outputs, context = drafter context update); on a GPU each phase is one
   CUDA graph per (c, budget) and a CUDA event sits between phases, so every phase time is
   measured on the GPU timeline (launch gaps included). `step_us` = their sum per step.
-- the verify phase is split into attention / MoE / other by the proportions of one eager
-  verify forward timed with `engine.phases.PhaseTimer` (after a GPU head start so the
-  events see GPU time, as `ddbench decode` does).
+- the verify phase is split into attention / MoE / other by the proportions of the
+  target's phases (`engine.phases.PhaseTimer`) in a separate CUDA graph of the verify
+  with timing events as graph nodes (`verify_split_method` graph), or else of one eager
+  verify after a GPU head start (eager), as `ddbench decode` does.
 - `host_us` = wall-clock per step minus `step_us` (host time the GPU did not hide).
 - `comm_us`: with `--simulate-rank`, the modelled all-reduce / all-gather time of one
   step (the stand-ins in the measured step do no communication); 0 at tp=1.
@@ -88,6 +89,12 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
         comm.reset()
     prof = stepper.profile_verify()
     comm_us = comm.modelled_us if getattr(comm, "simulated", False) else 0.0
+    split_method = "eager"
+    if stepper.graphs is not None:
+        try:
+            prof, split_method = stepper.graph_verify_phases(), "graph"
+        except Exception as e:  # noqa: BLE001 - older torch or capture trouble: keep the eager split
+            print(f"note: verify phases inside a CUDA graph failed ({type(e).__name__}: {e}); eager split")
     sess.restore()
     torch.manual_seed(seed)
     st = stepper.run()
@@ -117,7 +124,7 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
         "draft_forward_us": _fmt(ph.get("draft", 0.0)), "context_us": _fmt(ph.get("context", 0.0)),
         "tree_us": _fmt(ph.get("tree", 0.0)), "verify_us": _fmt(ph["verify"]),
         **{f"{k}_us": _fmt(v) for k, v in split.items()},
-        "accept_us": _fmt(ph["accept"]),
+        "accept_us": _fmt(ph["accept"]), "verify_split_method": split_method,
         "weight_bytes": int(fb["weight_bytes"]), "kv_bytes": int(fb["kv_bytes"]), "draft_bytes": int(fb["draft_bytes"]),
         "experts_touched": _fmt(fb["experts_touched"]), "copy_bw_gbps": _fmt(copy_bw),
         "floor_us": _fmt(floor), "floor_plus_comm_us": _fmt(floor + comm_us) if floor else None,

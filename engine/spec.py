@@ -435,7 +435,8 @@ class _Stepper:
     @torch.no_grad()
     def profile_verify(self) -> dict[str, float]:
         """One eager step with the target's phases timed inside the verify forward
-        (attention, moe, comm, ...); returns those totals (us). Restores the session."""
+        (attention, moe, mlp, comm, lm_head, other; us), after a GPU head start so the
+        events see GPU time. Restores the session (the tree it built stays in place)."""
         timer = PhaseTimer(self.sess.device)
         for name in self.phases:
             if name == "verify":
@@ -447,7 +448,33 @@ class _Stepper:
             else:
                 self._fn(name)()
         self.sess.restore()
-        return timer.totals_us()
+        out = timer.totals_us()
+        out.pop("end", None)
+        return out
+
+    @torch.no_grad()
+    def graph_verify_phases(self, reps: int = 3) -> dict[str, float]:
+        """The verify forward's phases in graph mode: a separate CUDA graph of the verify
+        with timing events as graph nodes (`PhaseTimer(external=True)`), replayed `reps`
+        times over the tree left by `profile_verify`; median per phase (us). The step's
+        own graphs and the session state are untouched (only cache scratch is written)."""
+        import statistics
+
+        keep = {k: v for k, v in self.__dict__.items() if k in ("argmax", "hid", "next")}
+        timer = PhaseTimer(self.sess.device, external=True)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                with timer.active():
+                    self._verify()
+            runs = []
+            for _ in range(reps):
+                graph.replay()
+                runs.append(timer.totals_us())     # the same event nodes, re-recorded
+        finally:
+            self.__dict__.update(keep)
+            del graph
+        return {p: statistics.median(r.get(p, 0.0) for r in runs) for p in runs[0] if p != "end"}
 
 
 class ARStep(_Stepper):
