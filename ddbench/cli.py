@@ -192,6 +192,8 @@ def tree_bench(
     reps: int = typer.Option(20, "--reps", help="Timed repeats per row (median, p20, p80)."),
     layers: int = typer.Option(61, "--layers", help="Layers folded into one commit call (engine-style) for the "
                                "second commit row."),
+    tune: bool = typer.Option(False, "--tune", help="GPU only: instead of the sweep, time knob variants of the "
+                              "attention (10 streams x 8k, bf16) and the builder's warps; rows carry `variant`."),
     name: Optional[str] = typer.Option(None, "--name", help="Result file name (default tree_bench_TIMESTAMP)."),
     preset: str = PRESET, override: Optional[List[str]] = OVERRIDE, seed: int = SEED, out: Path = OUT,
 ):
@@ -204,8 +206,11 @@ def tree_bench(
     flush. Without a GPU a tiny preset runs under the Triton interpreter (and says so).
     Example: ddbench tree-bench --streams 10 --prefixes 8192 --heads 8
     """
-    from ddbench.tree_bench import run
+    from ddbench.tree_bench import run, run_tune
 
+    if tune:
+        run_tune(topk=topk, positions=positions, reps=reps, seed=seed, out=out, name=name)
+        return
     run(budgets=parse_int_list(budgets, "--budgets"), streams=parse_int_list(streams, "--streams"),
         prefixes=parse_int_list(prefixes, "--prefixes"), heads=parse_int_list(heads, "--heads"),
         topk=topk, positions=positions, dtype=dtype,

@@ -28,7 +28,7 @@ from ddbench import UserError
 COLUMNS = ["kernel", "streams", "budget", "nodes", "t", "prefix", "heads", "topk", "positions",
            "layers", "dtype", "time_us", "time_us_p20", "time_us_p80", "cuda_graph", "kv_bytes",
            "bw_gbps", "copy_bw_gbps", "pct_copy_bw", "flops", "tflops", "max_abs_err",
-           "device"]
+           "variant", "device"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KERNELS = ("topk", "build", "attn", "accept", "commit")
 TINY = dict(budgets=[8, 16], streams=[1, 2], prefixes=[32, 64], heads=[2], topk=4, positions=4,
@@ -224,11 +224,104 @@ def run(*, budgets, streams, prefixes, heads, topk, positions, dtype, kernels, m
     return rw.path
 
 
+# --tune: knob variants of the two kernels whose defaults were picked without a GPU sweep
+ATTN_VARIANTS = {   # (T, heads) at 10 streams x 8k prefix -> mla_attention keyword overrides
+    (1, 8): [{}, dict(num_stages=3), dict(block_n=32, num_stages=3), dict(num_warps=8),
+             dict(num_splits=13), dict(num_splits=52)],
+    (17, 8): [{}, dict(block_m=16, num_warps=4), dict(block_m=64, num_warps=8),
+              dict(block_m=32, block_n=32, num_stages=3)],
+    (65, 8): [{}, dict(block_m=64, num_warps=8), dict(block_m=16, num_warps=4)],
+    (1, 64): [{}, dict(block_m=16, num_warps=4), dict(block_m=64, num_warps=8)],
+}
+BUILD_WARPS = (1, 2, 4, 8, 16)
+
+
+def run_tune(*, topk, positions, reps, seed, out, name, time_limit_s=55.0):
+    """Time knob variants (GPU only): attention at 10 streams x 8k prefix bf16, builder warps
+    at budgets 64/512/1024 x 10 streams. Rows carry `variant`; the default is `{}`."""
+    import time
+
+    from rich.console import Console
+
+    from ddbench.results import ResultWriter, run_metadata
+    from ddbench.timing import bench, copy_bandwidth_gbps
+    from kernels.ddtree import build_tree, topk_from_logits
+    from kernels.mla_attn import mla_attention, mla_attention_ref
+
+    if not torch.cuda.is_available():
+        raise UserError("--tune needs a CUDA GPU")
+    console = Console()
+    dev, dt, b, p = torch.device("cuda"), torch.bfloat16, 10, 8192
+    t0 = time.time()
+    copy_bw = copy_bandwidth_gbps(dev)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    base = {c: "" for c in COLUMNS}
+    base.update(dtype="bf16", topk=topk, positions=positions, device=torch.cuda.get_device_name(dev),
+                copy_bw_gbps=round(copy_bw, 1))
+    meta = run_metadata("tree_bench", seed=seed, dtype="bf16", tune=True, copy_bw_gbps=copy_bw)
+    ckv = torch.randn(b, p + 65, 512, device=dev, generator=g).to(dt)
+    kpe = torch.randn(b, p + 65, 64, device=dev, generator=g).to(dt)
+    plen = torch.full((b,), p, device=dev, dtype=torch.int32)
+    with ResultWriter(out, "tree_bench", meta=meta, name=name) as rw:
+        for (t, h), variants in ATTN_VARIANTS.items():
+            q_lat = torch.randn(b, t, h, 512, device=dev, generator=g).to(dt)
+            q_rope = torch.randn(b, t, h, 64, device=dev, generator=g).to(dt)
+            vis = torch.tril(torch.ones(t, t, dtype=torch.bool, device=dev)).expand(b, t, t).contiguous()
+            c, k = ckv[:, :p + t], kpe[:, :p + t]
+            kv_bytes = b * (p + t) * 576 * 2
+            fl = attn_flops(b, t, h, p, 512, 64)
+            ref = mla_attention_ref(q_lat, q_rope, c, k, plen, vis, 0.07)
+            for var in variants:
+                if time.time() - t0 > time_limit_s:
+                    console.print("tune: time limit reached, stopping")
+                    break
+                tag = ",".join(f"{a}={v}" for a, v in var.items()) or "default"
+                try:
+                    err = float((mla_attention(q_lat, q_rope, c, k, plen, vis, 0.07, **var).float()
+                                 - ref.float()).abs().max())
+                    st = bench(lambda: mla_attention(q_lat, q_rope, c, k, plen, vis, 0.07, **var),
+                               device=dev, reps=reps, flush=True)
+                except Exception as e:  # a variant that does not compile is a result too
+                    console.print(f"attn T={t} H={h} {tag}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                bw = kv_bytes / (st.median_us * 1e-6) / 1e9
+                rw.write({**base, "kernel": "attn", "streams": b, "budget": t - 1, "nodes": t, "t": t,
+                          "prefix": p, "heads": h, "kv_bytes": kv_bytes, "bw_gbps": round(bw, 1),
+                          "pct_copy_bw": round(100 * bw / copy_bw, 1), "flops": fl,
+                          "tflops": round(fl / (st.median_us * 1e-6) / 1e12, 2), "max_abs_err": err,
+                          "variant": tag, **st.row(), "cuda_graph": st.cuda_graph})
+                console.print(f"attn T={t:3d} H={h:2d} {tag:40s} {st.median_us:8.1f} us  {100 * bw / copy_bw:5.1f}% copy")
+        logits = torch.randn(b, positions, 163840, device=dev, generator=g).to(dt) * 4
+        lp, ids = topk_from_logits(logits, topk)
+        for budget in (64, 512, 1024):
+            for nw in BUILD_WARPS:
+                if time.time() - t0 > time_limit_s + 20:
+                    break
+                try:
+                    st = bench(lambda: build_tree(lp, ids, budget, num_warps=nw), device=dev, reps=reps,
+                               graph=True, graph_ops=5, flush=False)
+                except Exception as e:
+                    console.print(f"build {budget} warps {nw}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                rw.write({**base, "kernel": "build", "streams": b, "budget": budget, "nodes": budget + 1,
+                          "variant": f"num_warps={nw}", **st.row(), "cuda_graph": st.cuda_graph})
+                console.print(f"build budget {budget:4d} x {b} warps {nw:2d}: {st.median_us:8.1f} us")
+    console.print(f"wrote {rw.path}")
+    return rw.path
+
+
 def summary(csv_path) -> None:
     """Print the issue's three GPU targets from a tree-bench CSV (used by scripts/gpu/tree.sh)."""
     import pandas as pd
 
     df = pd.read_csv(csv_path)
+    if "variant" in df and df.variant.notna().any():          # a --tune run
+        print(f"== tree-bench --tune ({csv_path}) ==")
+        for r in df.itertuples():
+            what = f"T={int(r.t)} H={int(r.heads)}" if r.kernel == "attn" else f"budget {int(r.budget)}"
+            extra = f"{r.pct_copy_bw:5.1f}% copy, {r.tflops:6.1f} TFLOP/s" if r.kernel == "attn" else ""
+            print(f"{r.kernel:5s} {what:12s} {r.variant:40s} {r.time_us:8.1f} us  {extra}")
+        return
 
     def pick(kernel, **eq):
         g = df[df.kernel == kernel]
@@ -243,7 +336,8 @@ def summary(csv_path) -> None:
     for r in pick("attn", streams=10, heads=8, prefix=8192).sort_values("t").itertuples():
         ok = "OK " if r.pct_copy_bw >= 60 else "LOW"
         print(f"attn {ok} 8 heads x 10 streams x 8k, T={int(r.t):4d}: {r.time_us:8.1f} us  {r.bw_gbps:7.0f} GB/s "
-              f"= {r.pct_copy_bw:5.1f}% of copy {r.copy_bw_gbps:.0f}  {r.tflops:6.1f} TFLOP/s  err {r.max_abs_err}")
+              f"= {r.pct_copy_bw:5.1f}% of copy {r.copy_bw_gbps:.0f}  {r.tflops:6.1f} TFLOP/s  "
+              + (f"max err vs ref {r.max_abs_err:.3g}" if r.max_abs_err == r.max_abs_err else "(too big to check)"))
     for budget in (16, 64, 256, 512):
         for r in pick("accept_commit", streams=10, budget=budget).itertuples():
             ok = "OK " if r.time_us < 20 else "HIGH"
@@ -263,6 +357,8 @@ def plot(results, out, fmt):
     if not runs:
         return []
     df = pd.concat([d.assign(run=Path(m["_path"]).stem) for d, m in runs], ignore_index=True)
+    if "variant" in df:
+        df = df[df.variant.isna()]                     # --tune rows are not part of the sweep plots
     made = []
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     ax = axes[0]

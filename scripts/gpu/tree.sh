@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
-# DDTree kernels on one H200: GPU tests (bf16 builder/attention/graph capture) and the
-# tree-bench sweep, then a summary of the issue-5 targets. Run from the repo root:
-#   bash scripts/gpu/tree.sh
-# Expected runtime: about 3 minutes (tests ~60 s incl. Triton compiles, bench ~90 s).
-# Writes results/h200/tree_bench_<stamp>.{csv,json}; copies them and the logs to $OUT if set.
+# DDTree kernels on one H200 (issue 5). Steps, each independent:
+#   1. GPU tests: bf16/fp32 builder == heap reference at budgets 64/512/1024 (with ties),
+#      topk -> build -> accept -> commit captured in one CUDA graph, attention == reference
+#      at K2.6 dims (512 + 64) for T = 1..65, 8 and 64 heads.
+#   2. ddbench tree-bench sweep: budgets 16..1024 x streams 1/10/32; attention over
+#      streams x prefix 1k/8k/32k x heads 8/64 x T (1 and budget + 1), capped at 3 TFLOP a call.
+#   3. ddbench tree-bench --tune: knob variants of attention (10 streams x 8k) and builder warps,
+#      to pick defaults from data (the defaults were set without a GPU sweep).
+#   4. summary of the targets: builder budget 512 x 10 streams; attention 8 heads x 10 streams
+#      x 8k at >= 60% of copy bandwidth (T = 1); accept + commit < 20 us for 10 streams.
+# Expected runtime: about 3.5 minutes (tests ~70 s incl. Triton compiles, sweep ~90 s, tune ~60 s);
+# each step has its own timeout (worst case ~5 min).
+# Writes results/h200/tree_bench_h200_<stamp>.{csv,json}, tree_tune_h200_<stamp>.{csv,json} and a
+# log; copies them to $OUT/tree/ if $OUT is set. Run from the repo root: bash scripts/gpu/tree.sh
 cd "$(dirname "$0")/../.." || exit 1
 set -o pipefail  # a step fails when its command fails, not its tee
 PY=${PYTHON:-python3}
@@ -12,24 +21,35 @@ RES=results/h200
 mkdir -p "$RES"
 LOG=$RES/tree_$STAMP.log
 NAME=tree_bench_h200_$STAMP
+TUNE=tree_tune_h200_$STAMP
 
-echo "== GPU tests ==" | tee "$LOG"
-timeout 150 $PY -m pytest -q -m gpu tests/test_ddtree.py tests/test_mla_attn.py 2>&1 | tail -25 | tee -a "$LOG" \
-  || echo "FAILED step: gpu tests" | tee -a "$LOG"
+echo "== 1. GPU tests ==" | tee "$LOG"
+timeout 110 $PY -m pytest -q -m gpu tests/test_ddtree.py tests/test_mla_attn.py -p no:cacheprovider 2>&1 \
+  | tail -25 | tee -a "$LOG" || echo "FAILED step: gpu tests" | tee -a "$LOG"
 
-echo "== tree-bench ==" | tee -a "$LOG"
-timeout 200 $PY -m ddbench tree-bench --out "$RES" --name "$NAME" 2>&1 | tail -60 | tee -a "$LOG" \
-  || echo "FAILED step: tree-bench" | tee -a "$LOG"
+echo "== 2. tree-bench sweep ==" | tee -a "$LOG"
+timeout 130 $PY -m ddbench tree-bench --budgets 16,64,256,512,1024 --out "$RES" --name "$NAME" 2>&1 \
+  | tail -45 | tee -a "$LOG" || echo "FAILED step: tree-bench sweep" | tee -a "$LOG"
 
-echo "== summary ==" | tee -a "$LOG"
-if [ -f "$RES/$NAME.csv" ]; then
-  $PY -c "from ddbench.tree_bench import summary; summary('$RES/$NAME.csv')" 2>&1 | tee -a "$LOG" \
-    || echo "FAILED step: summary" | tee -a "$LOG"
-else
-  echo "FAILED: no $RES/$NAME.csv" | tee -a "$LOG"
-fi
+echo "== 3. tree-bench --tune ==" | tee -a "$LOG"
+timeout 90 $PY -m ddbench tree-bench --tune --out "$RES" --name "$TUNE" 2>&1 \
+  | tail -40 | tee -a "$LOG" || echo "FAILED step: tree-bench --tune" | tee -a "$LOG"
+
+echo "== 4. summary ==" | tee -a "$LOG"
+for f in "$RES/$NAME.csv" "$RES/$TUNE.csv"; do
+  [ -f "$f" ] || { [ -f "$f.partial" ] && echo "(step timed out: summary of the rows written)" && f="$f.partial"; }
+  if [ -f "$f" ]; then
+    $PY -c "from ddbench.tree_bench import summary; summary('$f')" 2>&1 | tee -a "$LOG" \
+      || echo "FAILED step: summary of $f" | tee -a "$LOG"
+  else
+    echo "FAILED: no $f" | tee -a "$LOG"
+  fi
+done
 
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT/tree"
-  cp "$LOG" "$RES/$NAME.csv" "$RES/$NAME.json" "$OUT/tree/" 2>/dev/null || true
+  for f in "$LOG" "$RES/$NAME".csv "$RES/$NAME".json "$RES/$TUNE".csv "$RES/$TUNE".json \
+           "$RES/$NAME".csv.partial "$RES/$TUNE".csv.partial; do
+    [ -f "$f" ] && cp "$f" "$OUT/tree/"
+  done
 fi
