@@ -101,6 +101,30 @@ def measure_rows(model, concurrency: list[int], prompt_len: int, new_tokens: int
         on_row(row)
 
 
+def check_fits(cfg, device: torch.device, n_streams: int, max_len: int) -> int:
+    """Bytes of the rank's weights + KV cache; UserError if they cannot fit on `device`."""
+    from engine.model import Transformer
+    from engine.parallel import SimComm
+
+    comm = SimComm(cfg.tp, cfg.rank, lambda n: 0.0)
+    meta = Transformer(cfg, comm, device="meta", fused="torch")
+    need = sum(t.numel() * t.element_size() for t in meta.state_dict().values())
+    need += cfg.n_layers * n_streams * max_len * (cfg.kv_lora_rank + cfg.qk_rope_dim) * 2
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+        except (OSError, StopIteration):
+            return need
+    if need > 0.95 * free:
+        hint = "try --tp 8 --simulate-rank 0" if cfg.tp == 1 else "try --preset tiny or a larger device"
+        raise UserError(f"{cfg.name} tp={cfg.tp} rank {cfg.rank} needs {need / 1e9:.1f} GB of weights and KV "
+                        f"cache but {device} has {free / 1e9:.1f} GB free ({hint})")
+    return need
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -255,6 +279,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
             from engine.parallel import LocalComm, SimComm
 
             comm = SimComm(tp, rank, predict) if tp > 1 else LocalComm()
+            writer.meta["model_bytes"] = check_fits(cfg, device, max(concurrency), prompt_len + new_tokens + 4)
             t0 = time.perf_counter()
             progress.update(task, description=f"init {cfg.name} tp={tp} rank {rank}")
             try:
@@ -294,7 +319,7 @@ def print_table(console, rows: list[dict]) -> None:
                   *(f"{r[p + '_us']:.0f}" for p in ("attention", "moe", "mlp", "lm_head", "other")),
                   "-" if r["floor_us"] is None else f"{r['floor_us']:.0f}",
                   "-" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}")
-    console.print(t)
+    console.print(t, width=max(console.width, 150))
 
 
 def plot(results: dict, out: Path, fmt: str) -> list[tuple[str, Path]]:

@@ -315,7 +315,8 @@ def test_decode_cli_writes_tidy_csv_and_plot(tmp_path):
 def test_decode_cli_bad_input(tmp_path):
     for args, msg in [(["--tp", "2", "--simulate-rank", "2"], "--simulate-rank"),
                       (["--new-tokens", "1"], "--new-tokens"),
-                      (["--checkpoint", str(tmp_path / "nope")], "no such directory")]:
+                      (["--checkpoint", str(tmp_path / "nope")], "no such directory"),
+                      (["--override", "hidden=65536", "--override", "n_layers=64"], "GB free")]:
         r = runner.invoke(app, ["decode", "--preset", "tiny", *args, "--out", str(tmp_path)])
         assert r.exit_code == 2 and msg in r.output, r.output
 
