@@ -319,7 +319,9 @@ def print_table(console, rows: list[dict]) -> None:
                   *(f"{r[p + '_us']:.0f}" for p in ("attention", "moe", "mlp", "lm_head", "other")),
                   "-" if r["floor_us"] is None else f"{r['floor_us']:.0f}",
                   "-" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}")
-    console.print(t, width=max(console.width, 150))
+    from rich.console import Console
+
+    Console(width=max(console.width, 150)).print(t)  # all columns, also in a narrow log
 
 
 def plot(results: dict, out: Path, fmt: str) -> list[tuple[str, Path]]:
