@@ -49,12 +49,15 @@ def parse_prompt_lens(text: str) -> list[int]:
     return lens
 
 
-def verify_split(profile: dict, verify_us: float) -> dict:
-    """Split the measured verify time by the eager profile's proportions."""
+def verify_split(profile: dict, verify_us: float, real_comm: bool = False) -> dict:
+    """Split the measured verify time by the profile's proportions: attention, MoE, other,
+    and (real_comm: a DistComm run, whose collectives are timed) communication."""
     attn, moe = profile.get("attention", 0.0), profile.get("moe", 0.0)
+    comm = profile.get("comm", 0.0) if real_comm else 0.0
     total = sum(v for k, v in profile.items() if k != "end") or 1.0
     return {"verify_attention": verify_us * attn / total, "verify_moe": verify_us * moe / total,
-            "verify_other": verify_us * (total - attn - moe) / total}
+            "verify_comm": verify_us * comm / total,
+            "verify_other": verify_us * (total - attn - moe - comm) / total}
 
 
 def step_floor_bytes(model, drafter, c: int, budget: int, context: float, max_len: int) -> dict:
@@ -88,7 +91,8 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
     if hasattr(comm, "reset"):
         comm.reset()
     prof = stepper.profile_verify()
-    comm_us = comm.modelled_us if getattr(comm, "simulated", False) else 0.0
+    simulated, real_comm = getattr(comm, "simulated", False), comm.tp > 1 and not getattr(comm, "simulated", False)
+    comm_us = comm.modelled_us if simulated else 0.0
     split_method = "eager"
     if stepper.graphs is not None:
         try:
@@ -102,8 +106,10 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
     ph = {k: v / steps for k, v in st.phase_us.items()}
     step_us = st.device_us / steps
     host_us = max(0.0, st.wall_us / steps - step_us)
-    total_us = step_us + host_us + comm_us
-    split = verify_split(prof, ph["verify"])
+    total_us = step_us + host_us + comm_us       # a real TP run's collectives are inside step_us
+    split = verify_split(prof, ph["verify"], real_comm)
+    if real_comm:
+        comm_us = split["verify_comm"]             # measured, verify forward only
     context = sum(prompt_lens) / len(prompt_lens) + new_tokens / 2
     fb = step_floor_bytes(sess.model, sess.drafter, c, budget, context, sess.max_len)
     floor = fb["total"] / (copy_bw * 1e3) if copy_bw else None
@@ -117,13 +123,14 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
         "cuda_graph": st.cuda_graph, "graph_error": stepper.graph_error or "",
         "steps": st.steps, "tokens": st.tokens, "mean_accepted": _fmt(st.mean_accepted, 3),
         "step_us": _fmt(step_us), "host_us": _fmt(host_us), "comm_us": _fmt(comm_us),
+        "comm_source": "modelled" if simulated else ("measured in verify" if real_comm else "none"),
         "step_total_us": _fmt(total_us),
         "steps_per_s": _fmt(1e6 / total_us), "output_tok_per_s": _fmt(st.tokens / (steps * total_us) * 1e6),
         "measured_tok_per_s": _fmt(st.tokens / st.wall_us * 1e6 * st.steps / steps) if st.wall_us else None,
         "draft_us": _fmt(ph.get("draft", 0.0) + ph.get("context", 0.0)),
         "draft_forward_us": _fmt(ph.get("draft", 0.0)), "context_us": _fmt(ph.get("context", 0.0)),
         "tree_us": _fmt(ph.get("tree", 0.0)), "verify_us": _fmt(ph["verify"]),
-        **{f"{k}_us": _fmt(v) for k, v in split.items()},
+        **{f"{k}_us": _fmt(v) for k, v in split.items() if k != "verify_comm"},
         "accept_us": _fmt(ph["accept"]), "verify_split_method": split_method,
         "weight_bytes": int(fb["weight_bytes"]), "kv_bytes": int(fb["kv_bytes"]), "draft_bytes": int(fb["draft_bytes"]),
         "experts_touched": _fmt(fb["experts_touched"]), "copy_bw_gbps": _fmt(copy_bw),
@@ -134,7 +141,7 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
 
 def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prompt_lens: list[int],
                     new_tokens: int, topk: int | None, graph: bool, copy_bw, base: dict, seed: int,
-                    on_row, progress=None, kernels: str = "auto") -> None:
+                    on_row, kernels: str = "auto") -> None:
     """Prefill c streams once, then AR and every budget x acceptance from that state."""
     from engine.spec import ARStep, Session, SpecStep
 
@@ -151,13 +158,19 @@ def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prom
     use_graph = graph and cuda and model.moe_backend != "torch"    # the torch MoE reference syncs
     base = {**base, "prefill_s": round(prefill_s, 3)}
 
+    ar_out = []
+
     def go(stepper, budget, acc, label):
         if use_graph and stepper.graphs is None and stepper.graph_error is None:
             stepper.capture()
         row = measure_config(sess, stepper, label, base, c, budget, acc, copy_bw, lens, new_tokens, seed)
+        out = sess.outputs()
+        if not budget:
+            ar_out[:] = out
+        # lossless check: real acceptance must reproduce greedy decoding token for token
+        row["matches_ar"] = (out == ar_out) if budget and acc.mode == "real" else None
+        row["first_tokens"] = " ".join(map(str, out[0][:8]))
         on_row(row)
-        if progress is not None:
-            progress()
 
     ar = ARStep(sess)
     go(ar, 0, None, "engine AR")
@@ -175,6 +188,104 @@ def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prom
             del step
             if cuda:
                 torch.cuda.empty_cache()
+
+
+def build_engine(cfg, comm, checkpoint, moe: str, attn: str, seed: int, device, init: str):
+    """Target (checkpoint or random) and a random drafter of the same TP shard."""
+    from ddbench.decode import build_model
+    from engine.drafter import Drafter, drafter_config
+
+    model, used = build_model(cfg, comm, checkpoint, moe, attn, seed, device, init)
+    drafter = Drafter(drafter_config(cfg), model, comm, device=device, dtype=model.dtype)
+    drafter.init_random(seed)
+    return model, drafter, used
+
+
+def _rank_worker(rank: int, tp: int, port: int, queue, kw: dict) -> None:
+    """One process of a real TP run (NCCL on GPU `rank`, or gloo on the CPU); every rank
+    runs the same sequence (same seeds, so the same prompts, draws and decisions) and
+    rank 0 reports the rows."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from engine.parallel import DistComm
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cuda = kw["device"] == "cuda"
+        if cuda:
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp,
+                                timeout=datetime.timedelta(seconds=300))
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        cfg = _config(kw["preset"], kw["checkpoint"], tp, rank, kw["overrides"])
+        model, drafter, used = build_engine(cfg, DistComm(), kw["checkpoint"], kw["moe"], kw["attn"], kw["seed"],
+                                            device, kw["init"])
+        copy_bw = None
+        if cuda:
+            from ddbench.timing import copy_bandwidth_gbps
+            copy_bw = copy_bandwidth_gbps(device)
+        report = (lambda row: queue.put(("row", row))) if rank == 0 else (lambda row: None)
+        for c in kw["concurrency"]:
+            run_concurrency(model, drafter, c, kw["budgets"], kw["accs"], kw["lens"], kw["new_tokens"], kw["topk"],
+                            kw["graph"], copy_bw, {**kw["base"], "init": used}, kw["seed"], report)
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put(("done", rank))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails loudly
+        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+        raise SystemExit(1)
+
+
+def _run_distributed(tp: int, kw: dict, on_row) -> None:
+    """Start `tp` rank processes, hand rank 0's rows to `on_row`, fail loudly on any error."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    from ddbench.decode import _free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_worker, args=(r, tp, port, q, kw), daemon=True) for r in range(tp)]
+    for p in procs:
+        p.start()
+    done, error = set(), None
+    try:
+        while len(done) < tp and error is None:
+            try:
+                kind, msg = q.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    error = f"rank process exited with code {dead[0].exitcode}"
+                continue
+            if kind == "row":
+                on_row(msg)
+            elif kind == "done":
+                done.add(msg)
+            else:
+                error = msg
+    finally:
+        for p in procs:
+            p.join(timeout=5 if error is None else 1)
+            if p.is_alive():
+                p.terminate()
+    if error:
+        raise RuntimeError(f"tensor-parallel e2e failed: {error}")
+
+
+def _config(preset: str, checkpoint, tp: int, rank: int, overrides: dict):
+    from engine.config import preset as make_preset
+
+    if checkpoint is not None:
+        from engine.checkpoint import read_config
+        return read_config(checkpoint, tp, rank)
+    return make_preset(preset, tp=tp, rank=rank, **overrides)
 
 
 def baseline_rows(paths=(Path("results/baseline"),)) -> list[dict]:
@@ -209,8 +320,9 @@ def print_table(console, rows: list[dict], baseline: list[dict]) -> None:
     if not console.is_terminal:          # logs and pipes: do not squeeze 18 columns into 80
         console = Console(width=max(console.width, 200))
 
-    t = Table(title="ddbench e2e (us per step; total = step + host + modelled comm; tok/s projected when simulated)")
-    cols = ("c", "decoder", "budget", "acceptance", "acc len", "graph", "total us", "tok/s", "x AR",
+    t = Table(title="ddbench e2e (us per step; total = step + host (+ modelled comm when simulated: "
+                    "projected tok/s); lossless = real acceptance reproduced AR's tokens)")
+    cols = ("c", "decoder", "budget", "acceptance", "lossless", "acc len", "graph", "total us", "tok/s", "x AR",
             "draft", "tree", "v-attn", "v-moe", "v-other", "accept", "comm", "host", "x floor")
     for col in cols:
         t.add_column(col, justify="right")
@@ -219,14 +331,15 @@ def print_table(console, rows: list[dict], baseline: list[dict]) -> None:
     for c in sorted({r["concurrency"] for r in rows}):
         for r in [r for r in rows if r["concurrency"] == c]:
             speed = r["output_tok_per_s"] / ar[c] if ar.get(c) else None
-            t.add_row(str(c), r["decoder"], str(r["budget"] or "-"), r["acceptance"], f"{r['mean_accepted']:.2f}",
+            ok = {True: "yes", False: "NO", None: "-"}[r.get("matches_ar")]
+            t.add_row(str(c), r["decoder"], str(r["budget"] or "-"), r["acceptance"], ok, f"{r['mean_accepted']:.2f}",
                       "y" if r["cuda_graph"] else "n", f0(r["step_total_us"]), f"{r['output_tok_per_s']:.1f}",
                       "-" if speed is None else f"{speed:.2f}",
                       *(f0(r[f"{p}_us"]) for p in PHASE_COLS),
                       "-" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}")
         for b in [b for b in baseline if b["concurrency"] == c]:
-            t.add_row(str(c), "baseline", "-", b["label"], "-", "-", "-", f"{b['output_tok_per_s']:.1f}",
-                      *(["-"] * (len(cols) - 8)), style="dim")
+            t.add_row(str(c), "baseline", "-", b["label"], "-", "-", "-", "-", f"{b['output_tok_per_s']:.1f}",
+                      *(["-"] * (len(cols) - 9)), style="dim")
     console.print(t)
 
 
@@ -238,10 +351,10 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     from rich.console import Console
     from rich.progress import Progress
 
-    from ddbench.decode import allreduce_predictor, build_model, pick_backends
+    from ddbench.decode import allreduce_predictor, pick_backends
     from ddbench.results import ResultWriter, run_metadata
-    from engine.config import parse_overrides, preset as make_preset
-    from engine.drafter import Drafter, drafter_config
+    from engine.config import parse_overrides
+    from engine.drafter import drafter_config
     from engine.parallel import LocalComm, SimComm
     from engine.spec import parse_acceptance
 
@@ -250,11 +363,15 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     device = torch.device("cuda" if cuda else "cpu")
     if tp < 1:
         raise UserError(f"--tp {tp}: must be >= 1")
-    if tp > 1 and simulate_rank is None:
-        raise UserError("ddbench e2e runs a real TP group only through --simulate-rank for now "
-                        "(one rank's shard, modelled communication); pass --simulate-rank 0")
-    if gpus not in (None, 1):
-        raise UserError(f"--gpus {gpus}: e2e runs on one device (use --tp N --simulate-rank R)")
+    distributed = tp > 1 and simulate_rank is None
+    if distributed:
+        gpus = gpus or tp
+        if gpus != tp:
+            raise UserError(f"--gpus {gpus} must equal --tp {tp} (one process per rank)")
+        if cuda and torch.cuda.device_count() < tp:
+            raise UserError(f"--tp {tp} needs {tp} GPUs, found {torch.cuda.device_count()}")
+    elif gpus not in (None, 1):
+        raise UserError(f"--gpus {gpus}: a single or simulated-rank run uses one device")
     if simulate_rank is not None and not 0 <= simulate_rank < tp:
         raise UserError(f"--simulate-rank {simulate_rank} is not a rank of --tp {tp}")
     if new_tokens < 2:
@@ -275,21 +392,18 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
         if not cuda and checkpoint is None:
             console.print("note: no GPU, so the tiny preset (pass --preset to choose)")
     rank = simulate_rank or 0
-    if checkpoint is not None:
-        from engine.checkpoint import read_config
-        cfg = read_config(checkpoint, tp, rank)
-    else:
-        cfg = make_preset(preset, tp=tp, rank=rank, **parse_overrides(override))
+    overrides = parse_overrides(override)
+    cfg = _config(preset, checkpoint, tp, rank, overrides)
     dc = drafter_config(cfg)
     accs = [parse_acceptance(a.strip(), dc.depth) for a in acceptance if a.strip()]
     if not accs:
         raise UserError("--acceptance: give at least one of real, synthetic:TAU, profile:FILE")
     moe, attn = pick_backends(device, moe_backend, attn_backend)
     predict, model_desc = (None, None)
-    if tp > 1:
+    if tp > 1 and not distributed:
         predict, model_desc = allreduce_predictor(allreduce_model, tp)
-    mode = "simulated" if tp > 1 else "single"
-    base = {"preset": cfg.name, "tp": tp, "rank": rank, "mode": mode, "moe_backend": moe, "attn_backend": attn,
+    mode = "distributed" if distributed else ("simulated" if tp > 1 else "single")
+    base = {"preset": cfg.name, "tp": tp, "rank": "all" if distributed else rank, "mode": mode, "moe_backend": moe, "attn_backend": attn,
             "device": str(device), "checkpoint": str(checkpoint) if checkpoint else "",
             "drafter": f"{dc.n_layers}L {dc.n_heads}q/{dc.n_kv_heads}kv block {dc.block}"}
     meta = run_metadata("e2e", preset=cfg.name, seed=seed, tp=tp, simulate_rank=simulate_rank, mode=mode,
@@ -298,31 +412,40 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
                         method=__doc__.split("How a run is timed (engine/spec.py has the loop):")[1].strip())
     n_rows = len(concurrency) * (1 + len(budgets) * len(accs))
     with ResultWriter(out, "e2e", meta, name=name) as writer, Progress(console=console) as progress:
-        task = progress.add_task(f"init {cfg.name} tp={tp} rank {rank}", total=n_rows)
-        comm = SimComm(tp, rank, predict) if tp > 1 else LocalComm()
-        t0 = time.perf_counter()
-        try:
-            model, used = build_model(cfg, comm, checkpoint, moe, attn, seed, device, init)
-            drafter = Drafter(dc, model, comm, device=device, dtype=model.dtype)
-            drafter.init_random(seed)
-        except torch.cuda.OutOfMemoryError as e:
-            raise UserError(f"out of GPU memory building {cfg.name} tp={tp} rank {rank}: {e}") from None
-        writer.meta.update(init=used, init_s=round(time.perf_counter() - t0, 2),
-                           drafter_weight_bytes=drafter.weight_bytes())
-        copy_bw = None
-        if cuda:
-            from ddbench.timing import copy_bandwidth_gbps
-            copy_bw = copy_bandwidth_gbps(device)
-            writer.meta["gpu_mem_allocated_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
-        for c in concurrency:
-            progress.update(task, description=f"e2e {cfg.name} tp={tp} c={c}")
+        task = progress.add_task(f"init {cfg.name} tp={tp} {mode}", total=n_rows)
+
+        def on_row(row):
+            writer.write(row)
+            progress.advance(task)
+        if distributed:
+            kw = dict(device=device.type, preset=preset, overrides=overrides, checkpoint=checkpoint, moe=moe,
+                      attn=attn, seed=seed, init=init, concurrency=concurrency, budgets=budgets, accs=accs,
+                      lens=lens, new_tokens=new_tokens, topk=topk, graph=graph, base=base)
+            progress.update(task, description=f"e2e {cfg.name} tp={tp} distributed ({tp} processes)")
+            _run_distributed(tp, kw, on_row)
+        else:
+            comm = SimComm(tp, rank, predict) if tp > 1 else LocalComm()
+            t0 = time.perf_counter()
             try:
-                run_concurrency(model, drafter, c, budgets, accs, lens, new_tokens, topk, graph, copy_bw,
-                                {**base, "init": used}, seed, writer.write, lambda: progress.advance(task))
+                model, drafter, used = build_engine(cfg, comm, checkpoint, moe, attn, seed, device, init)
             except torch.cuda.OutOfMemoryError as e:
-                raise UserError(f"out of GPU memory at concurrency {c}: {e}") from None
-        if cuda:
-            writer.meta["gpu_mem_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                raise UserError(f"out of GPU memory building {cfg.name} tp={tp} rank {rank}: {e}") from None
+            writer.meta.update(init=used, init_s=round(time.perf_counter() - t0, 2),
+                               drafter_weight_bytes=drafter.weight_bytes())
+            copy_bw = None
+            if cuda:
+                from ddbench.timing import copy_bandwidth_gbps
+                copy_bw = copy_bandwidth_gbps(device)
+                writer.meta["gpu_mem_allocated_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+            for c in concurrency:
+                progress.update(task, description=f"e2e {cfg.name} tp={tp} c={c}")
+                try:
+                    run_concurrency(model, drafter, c, budgets, accs, lens, new_tokens, topk, graph, copy_bw,
+                                    {**base, "init": used}, seed, on_row)
+                except torch.cuda.OutOfMemoryError as e:
+                    raise UserError(f"out of GPU memory at concurrency {c}: {e}") from None
+            if cuda:
+                writer.meta["gpu_mem_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     print_table(console, writer.rows, baseline_rows([baseline]))
     console.print(f"wrote {writer.path}")
     return writer.path
@@ -348,7 +471,9 @@ def summary(paths) -> None:
             best = h.loc[h.output_tok_per_s.idxmax()]
             line = (f"c={c:<3} {acc:<14} best budget {int(best.budget):4d}: {best.output_tok_per_s:8.1f} tok/s, "
                     f"acc len {best.mean_accepted:.2f}, step {best.step_total_us:8.0f} us, x floor {best.floor_ratio}, "
-                    f"graph={best.cuda_graph}; by budget: "
+                    f"graph={best.cuda_graph}"
+                    + (f", lossless vs AR: {bool(h.matches_ar.astype(bool).all())}" if acc == "real" else "")
+                    + "; by budget: "
                     + " ".join(f"{int(b)}:{t:.0f}" for b, t in zip(h.budget, h.output_tok_per_s)))
             print(line)
             if acc == "synthetic:6" and int(c) in TARGETS:

@@ -40,6 +40,7 @@ def test_e2e_rows_and_columns(e2e_run):
     assert set(spec.acceptance) == {"real", "synthetic:3"} and set(spec.budget) == {3, 6}
     assert (df.tokens == df.concurrency * 6).all()             # new tokens - the prefill's first
     assert (df.output_tok_per_s > 0).all()
+    assert spec[spec.acceptance == "real"].matches_ar.astype(bool).all()      # lossless vs AR, same run
     syn = spec[spec.acceptance == "synthetic:3"]
     assert (syn.mean_accepted > 1.5).all() and (syn.tau_target == 3.0).all()
     meta = json.loads(csv.with_suffix(".json").read_text())
@@ -57,11 +58,23 @@ def test_e2e_report_plots(e2e_run):
         assert name in text and (out / "report" / name).stat().st_size > 1000
 
 
+def test_e2e_tensor_parallel_gloo(tmp_path):
+    """--tp 2 without --simulate-rank: two gloo processes run the real TP engine; the
+    real-acceptance output still equals greedy decoding (AR of the same run)."""
+    r = CliRunner().invoke(app, ["e2e", "--preset", "tiny", "--tp", "2", "--concurrency", "2", "--budget", "4",
+                                 "--acceptance", "real", "--prompt-len", "5", "--new-tokens", "6",
+                                 "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(next(tmp_path.glob("e2e_*.csv")))
+    assert list(df["mode"]) == ["distributed"] * 2 and list(df.comm_source) == ["measured in verify"] * 2
+    assert bool(df[df.decoder == "ddtree"].matches_ar.iloc[0])
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--acceptance", "synthetic:99"], "TAU"),
     (["--acceptance", "magic"], "--acceptance"),
     (["--budget", "0"], "--budget"),
-    (["--tp", "2"], "--simulate-rank"),
+    (["--tp", "2", "--gpus", "3"], "--gpus"),
     (["--tp", "2", "--simulate-rank", "3"], "not a rank"),
     (["--prompt-len", "x"], "--prompt-len"),
     (["--acceptance", "profile:/no/such/file"], "does not exist"),
