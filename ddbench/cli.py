@@ -325,7 +325,7 @@ def e2e(
     simulate_rank: Optional[int] = typer.Option(None, "--simulate-rank",
                                                 help="Run only this rank's shard on one device; all-reduces "
                                                      "are modelled (--allreduce-model)."),
-    gpus: Optional[int] = typer.Option(None, "--gpus", help="Devices used (e2e runs on one: 1)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Processes/GPUs for a real TP run (= --tp)."),
     concurrency: str = typer.Option("1,10", "--concurrency", help="Streams decoded together: '1,10' or '1-4'."),
     budget: str = typer.Option("16,32,64,128,256", "--budget", help="Tree budgets (nodes per stream and step)."),
     acceptance: str = typer.Option("real", "--acceptance",
@@ -362,9 +362,10 @@ def e2e(
     stream's tree) -> greedy accept + KV commit -> drafter context update, each phase a
     CUDA graph on GPU. Reports output tok/s, steps/s, mean accepted length (bonus
     included) and the per-step breakdown (draft, tree, verify attention / MoE / other,
-    comm, accept, host), with --simulate-rank the projected TP-n numbers (measured rank
-    compute + modelled communication), and the bytes floor. Tidy CSV (kind 'e2e'); the
-    table puts the SGLang baseline (from --baseline) beside the engine.
+    comm, accept, host), with --tp N --simulate-rank R the projected TP-n numbers (measured
+    rank compute + modelled communication; --tp N alone runs N real processes, NCCL or
+    gloo), the bytes floor, and whether real acceptance reproduced AR's tokens. Tidy CSV
+    (kind 'e2e'); the table puts the SGLang baseline (from --baseline) beside the engine.
     """
     from ddbench.e2e import run
 
