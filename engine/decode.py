@@ -140,7 +140,7 @@ class Decoder:
 
     def _graph_phases(self, reps: int) -> dict[str, float]:
         state = self._save()
-        timer = PhaseTimer(self.prefix_len.device, external=True)
+        timer = PhaseTimer(self.prefix_len.device, external=True, merge=True)
         self._reset_comm()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -160,7 +160,7 @@ class Decoder:
         self._step()  # warm (shapes differ from the prefill's)
         self._restore(state)
         self._reset_comm()
-        timer = PhaseTimer(self.prefix_len.device)
+        timer = PhaseTimer(self.prefix_len.device, merge=True)
         if timer.cuda:
             torch.cuda.synchronize()
             torch.cuda._sleep(HEAD_START_CYCLES)

@@ -36,8 +36,12 @@ def phase(name: str):
 class PhaseTimer:
     """Collects marks while active; `totals_us()` sums the intervals per phase."""
 
-    def __init__(self, device, external: bool = False):
+    def __init__(self, device, external: bool = False, merge: bool = False):
         self.device = torch.device(device)
+        # merge=True: an exit followed by an enter shares one timestamp (half the events;
+        # work between the two, if any, counts to the entered phase instead of its parent)
+        self.merge = merge
+        self._after_exit = False
         self.cuda = self.device.type == "cuda"
         # external=True: the events become event-record nodes when captured in a CUDA
         # graph, so one replay of that graph times its phases (torch >= 2.8)
@@ -55,17 +59,23 @@ class PhaseTimer:
 
     def _enter(self, name: str):
         self.stack.append(name)
-        self.marks.append((self._stamp(), name))
+        if self.merge and self._after_exit:  # reuse the exit's timestamp, relabelled
+            self.marks[-1] = (self.marks[-1][0], name)
+        else:
+            self.marks.append((self._stamp(), name))
+        self._after_exit = False
 
     def _exit(self):
         self.stack.pop()
         self.marks.append((self._stamp(), self.stack[-1] if self.stack else "other"))
+        self._after_exit = True
 
     @contextlib.contextmanager
     def active(self):
         """Time phases inside this block; starts and ends with an 'other' mark."""
         global _active
         self.marks.append((self._stamp(), "other"))
+        self._after_exit = True
         _active = self
         try:
             yield self

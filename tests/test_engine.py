@@ -390,3 +390,24 @@ def test_prefixed_checkpoint_names_load(hf_dir, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps(idx))
     tokens = torch.randint(0, 1024, (1, 3))
     assert torch.equal(run(load_checkpoint(d, dtype=torch.float32), tokens), run(tiny_model(seed=5), tokens))
+
+
+def test_phase_timer_attributes_nested_and_merged_phases():
+    import time
+
+    from engine.phases import PhaseTimer, phase
+
+    for merge in (False, True):
+        t = PhaseTimer("cpu", merge=merge)
+        with t.active():
+            with phase("a"):
+                time.sleep(0.02)
+                with phase("comm"):
+                    time.sleep(0.03)
+                time.sleep(0.01)
+            with phase("b"):
+                time.sleep(0.02)
+        us = t.totals_us()
+        assert 25e3 < us["a"] < 45e3 and 25e3 < us["comm"] < 45e3 and 15e3 < us["b"] < 35e3, us
+        assert us.get("other", 0) < 5e3
+        assert len(t.marks) == (6 if merge else 8)
