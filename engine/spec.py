@@ -322,12 +322,10 @@ class _Stepper:
         self.sess = sess
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
         self.graph_error: str | None = None
-        n = sess.n
         self.active_n = torch.zeros(sess.max_new + 8, dtype=torch.long, device=sess.device)   # per step
         self.tokens_n = torch.zeros_like(self.active_n)                    # capped at the limits
         self.accepted_n = torch.zeros_like(self.active_n)
         self.step_i = torch.zeros((), dtype=torch.long, device=sess.device)
-        self._ones = torch.ones(n, dtype=torch.long, device=sess.device)
 
     def _fn(self, name):
         return getattr(self, "_" + name)
@@ -565,7 +563,7 @@ class SpecStep(_Stepper):
 
     def _accept(self):
         s = self.sess
-        n, l1 = s.n, self.depth + 1
+        n = s.n
         if self.acceptance.mode == "real":
             acc, _, new_bonus = self.kern.greedy_accept(self.parent, self.token, self.argmax, self.depth)
             acc = acc.long()                                                  # [N, L+1]
