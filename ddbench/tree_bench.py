@@ -99,7 +99,8 @@ def run(*, budgets, streams, prefixes, heads, topk, positions, dtype, kernels, m
                       "(budgets 8,16; streams 1,2; prefixes 32,64; 2 heads; fp32). These times say "
                       "nothing about a GPU.[/yellow]")
         budgets, streams, prefixes, heads = TINY["budgets"], TINY["streams"], TINY["prefixes"], TINY["heads"]
-        topk, positions, vocab, dtype, reps = TINY["topk"], TINY["positions"], TINY["vocab"], TINY["dtype"], TINY["reps"]
+        topk, positions, vocab = TINY["topk"], TINY["positions"], TINY["vocab"]
+        dtype, reps = TINY["dtype"], TINY["reps"]
         layers, latent, rope = TINY["layers"], TINY["latent"], TINY["rope"]
     too_big = [b for b in budgets if b > min(max_nodes(positions, topk), 2046)]
     if too_big:
@@ -118,7 +119,9 @@ def run(*, budgets, streams, prefixes, heads, topk, positions, dtype, kernels, m
     device_name = torch.cuda.get_device_name(dev) if cuda else "cpu (Triton interpreter)"
 
     copy_bw = copy_bandwidth_gbps(dev) if cuda else copy_bandwidth_gbps(dev, 2**24)
-    attn_jobs, skipped = plan_attention(budgets, streams, prefixes, heads, max_attn_gflop, latent, rope) if "attn" in kernels else ([], 0)
+    attn_jobs, skipped = ([], 0)
+    if "attn" in kernels:
+        attn_jobs, skipped = plan_attention(budgets, streams, prefixes, heads, max_attn_gflop, latent, rope)
     if skipped:
         console.print(f"attn: skipping {skipped} configs above --max-attn-gflop {max_attn_gflop}")
     n_jobs = (len(streams) * ("topk" in kernels) + len(streams) * len(budgets) * (("build" in kernels)
@@ -290,7 +293,8 @@ def run_tune(*, topk, positions, reps, seed, out, name, time_limit_s=55.0):
                           "pct_copy_bw": round(100 * bw / copy_bw, 1), "flops": fl,
                           "tflops": round(fl / (st.median_us * 1e-6) / 1e12, 2), "max_abs_err": err,
                           "variant": tag, **st.row(), "cuda_graph": st.cuda_graph})
-                console.print(f"attn T={t:3d} H={h:2d} {tag:40s} {st.median_us:8.1f} us  {100 * bw / copy_bw:5.1f}% copy")
+                console.print(f"attn T={t:3d} H={h:2d} {tag:40s} {st.median_us:8.1f} us  "
+                              f"{100 * bw / copy_bw:5.1f}% copy")
         logits = torch.randn(b, positions, 163840, device=dev, generator=g).to(dt) * 4
         lp, ids = topk_from_logits(logits, topk)
         for budget in (64, 512, 1024):
@@ -360,7 +364,7 @@ def plot(results, out, fmt):
     if "variant" in df:
         df = df[df.variant.isna()]                     # --tune rows are not part of the sweep plots
     made = []
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     ax = axes[0]
     for (run, b), g in df[df.kernel == "build"].groupby(["run", "streams"]):
         g = g.sort_values("budget")
@@ -376,9 +380,16 @@ def plot(results, out, fmt):
     ax.set(xscale="log", xlabel="prefix (tokens)", ylabel="% of copy bandwidth (KV bytes)",
            title="tree-verify MLA attention")
     ax.legend(fontsize=6, ncol=2)
+    ax = axes[3]
+    for (run, b, h, p), g in att.groupby(["run", "streams", "heads", "prefix"]):
+        g = g.sort_values("t")
+        ax.plot(g.t, g.tflops, marker="o", label=f"B={int(b)} H={int(h)} prefix {int(p)}")
+    ax.set(xscale="log", xlabel="query tokens T (1 = decode, budget + 1 = tree)", ylabel="TFLOP/s",
+           title="attention compute rate vs tree size")
+    ax.legend(fontsize=6, ncol=2)
     ax = axes[2]
-    for (run, k, b, layers), g in df[df.kernel.isin(["accept", "accept_commit", "commit"])].fillna({"layers": 0}).groupby(
-            ["run", "kernel", "streams", "layers"]):
+    small = df[df.kernel.isin(["accept", "accept_commit", "commit"])].fillna({"layers": 0})
+    for (run, k, b, layers), g in small.groupby(["run", "kernel", "streams", "layers"]):
         g = g.sort_values("budget")
         lab = f"{k} B={int(b)}" + (f" {int(layers)} layers" if k == "commit" and layers and layers > 1 else "")
         ax.plot(g.budget, g.time_us, marker=".", label=lab)
