@@ -179,7 +179,7 @@ def write_hf_dir(cfg: ModelConfig, hf_dir: Path, seed: int) -> Path:
     if gb > 20:
         print(f"note: {cfg.name} has {gb:.0f} GB of routed experts; writing takes long")
     with Progress() as progress:
-        task = progress.add_task(f"writing {hf_dir}", total=cfg.n_layers + 1)
+        task = progress.add_task(f"writing {hf_dir}", total=cfg.n_layers)
         write_checkpoint(cfg, hf_dir, seed, progress=lambda: progress.advance(task))
     print(f"wrote {hf_dir} (Hugging Face layout, {cfg.name}, seed {seed})")
     return hf_dir

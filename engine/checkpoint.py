@@ -248,12 +248,17 @@ def load_checkpoint(path: Path, tp: int = 1, rank: int = 0, comm=None, device=No
 
 # ---- write --------------------------------------------------------------------------
 
+FILE_EXPERTS = 64   # routed experts per shard file (a K2.6 layer's experts: 6 files of ~1.4 GB)
+
+
 @torch.no_grad()
 def write_checkpoint(cfg: ModelConfig, path: Path, seed: int = 0, progress=None) -> Path:
     """Write the full random model (engine.weights "exact" mode, seed `seed`) in HF layout.
 
-    One shard file per layer plus one for the embedding, final norm and lm_head; files
-    are written under a temporary name and renamed, the index last.
+    Shard files: one for the embedding, final norm and lm_head, one per layer for its
+    dense tensors, and one per 64 routed experts of each MoE layer (so a K2.6 layer never
+    sits whole in host memory). Each file is written under a temporary name and renamed;
+    config.json and the index come last. `progress()` is called once per layer.
     """
     from safetensors.torch import save_file
 
@@ -263,29 +268,38 @@ def write_checkpoint(cfg: ModelConfig, path: Path, seed: int = 0, progress=None)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     # the model on the meta device only lists names and shapes
-    names = Transformer(full, device="meta").hf_weights()
+    names = Transformer(full, device="meta", fused="torch").hf_weights()
     groups: dict[str, list] = {"top": []}
     for name, (t, _) in names.items():
         key = name.split(".")[2] if name.startswith("model.layers.") else "top"
         groups.setdefault(key, []).append((name, tuple(t.shape)))
-    n_files = len(groups)
-    weight_map = {}
-    for k, (key, items) in enumerate(groups.items()):
-        fname = f"model-{k + 1:05d}-of-{n_files:05d}.safetensors"
-        tensors = {name: W.random_full(full, name, shape, seed) for name, shape in items}
-        if key != "top" and int(key) in full.moe_layers:
-            layer = int(key)
-            for experts in W.expert_chunks(full):
-                logical = W.random_experts_full(full, layer, experts, seed)
-                for proj, (q, s) in logical.items():
-                    for j, e in enumerate(experts):
-                        for part, t in ctensors.to_checkpoint(q[j], s[j]).items():
-                            tensors[expert_names(layer, e, proj)[part]] = t
+    file_chunks = [range(e, min(e + FILE_EXPERTS, full.n_experts)) for e in range(0, full.n_experts, FILE_EXPERTS)]
+    n_files = len(groups) + len(full.moe_layers) * len(file_chunks)
+    weight_map: dict[str, str] = {}
+
+    def save(tensors: dict) -> None:
+        fname = f"model-{len(set(weight_map.values())) + 1:05d}-of-{n_files:05d}.safetensors"
         tmp = path / (fname + ".partial")
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp))
         os.replace(tmp, path / fname)
         weight_map.update({n: fname for n in tensors})
-        if progress is not None:
+
+    for key, items in groups.items():
+        save({name: W.random_full(full, name, shape, seed) for name, shape in items})
+        if key != "top" and int(key) in full.moe_layers:
+            layer = int(key)
+            for chunk in file_chunks:
+                tensors = {}
+                for experts in W.expert_chunks(full):   # the generator's chunks (seeding unit)
+                    if experts.start < chunk.start or experts.start >= chunk.stop:
+                        continue
+                    logical = W.random_experts_full(full, layer, experts, seed)
+                    for proj, (q, sc) in logical.items():
+                        for j, e in enumerate(experts):
+                            for part, t in ctensors.to_checkpoint(q[j], sc[j]).items():
+                                tensors[expert_names(layer, e, proj)[part]] = t
+                save(tensors)
+        if progress is not None and key != "top":
             progress()
     (path / "config.json").write_text(json.dumps(config_to_hf(full), indent=2) + "\n")
     idx = {"metadata": {"total_size": sum((path / f).stat().st_size for f in set(weight_map.values()))},
