@@ -90,7 +90,7 @@ class MLA(nn.Module):
         self.wqkv_a = Linear(h, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_dim, device, dtype)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops, device, dtype)
         self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, nh * cfg.qk_head_dim, comm, device, dtype)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, ops, device, dtype)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, ops, device, dtype)  # weight used by kv store
         self.wkv_b = ColumnParallelLinear(cfg.kv_lora_rank, nh * (cfg.qk_nope_dim + cfg.v_head_dim), comm,
                                           device, dtype)
         self.wo = RowParallelLinear(nh * cfg.v_head_dim, h, comm, device, dtype)
@@ -289,8 +289,9 @@ class Transformer(nn.Module):
                 p + "self_attn.o_proj.weight": (a.wo.weight, 1),
             })
             mlp = blk.ffn if blk.dense else blk.ffn.shared
-            m, i = p + ("mlp." if blk.dense else "mlp.shared_experts."), mlp.inter_local
-            out.update({m + "gate_proj.weight": (mlp.w13.weight[:i], 0), m + "up_proj.weight": (mlp.w13.weight[i:], 0),
+            m, il = p + ("mlp." if blk.dense else "mlp.shared_experts."), mlp.inter_local
+            out.update({m + "gate_proj.weight": (mlp.w13.weight[:il], 0),
+                        m + "up_proj.weight": (mlp.w13.weight[il:], 0),
                         m + "down_proj.weight": (mlp.w2.weight, 1)})
             if not blk.dense:
                 out[p + "mlp.gate.weight"] = (blk.ffn.gate, None)
