@@ -9,8 +9,8 @@
 #      to pick defaults from data (the defaults were set without a GPU sweep).
 #   4. summary of the targets: builder budget 512 x 10 streams; attention 8 heads x 10 streams
 #      x 8k at >= 60% of copy bandwidth (T = 1); accept + commit < 20 us for 10 streams.
-# Expected runtime: about 3.5 minutes (tests ~70 s incl. Triton compiles, sweep ~90 s, tune ~60 s);
-# each step has its own timeout (worst case ~5 min).
+# Expected runtime: about 3 minutes (tests ~65 s incl. Triton compiles, sweep ~60 s, tune ~55 s);
+# each step has its own timeout (90 + 90 + 60 s), so at most 4 minutes.
 # Writes results/h200/tree_bench_h200_<stamp>.{csv,json}, tree_tune_h200_<stamp>.{csv,json} and a
 # log; copies them to $OUT/tree/ if $OUT is set. Run from the repo root: bash scripts/gpu/tree.sh
 cd "$(dirname "$0")/../.." || exit 1
@@ -24,15 +24,15 @@ NAME=tree_bench_h200_$STAMP
 TUNE=tree_tune_h200_$STAMP
 
 echo "== 1. GPU tests ==" | tee "$LOG"
-timeout 110 $PY -m pytest -q -m gpu tests/test_ddtree.py tests/test_mla_attn.py -p no:cacheprovider 2>&1 \
+timeout 90 $PY -m pytest -q -m gpu tests/test_ddtree.py tests/test_mla_attn.py -p no:cacheprovider 2>&1 \
   | tail -25 | tee -a "$LOG" || echo "FAILED step: gpu tests" | tee -a "$LOG"
 
 echo "== 2. tree-bench sweep ==" | tee -a "$LOG"
-timeout 130 $PY -m ddbench tree-bench --budgets 16,64,256,512,1024 --out "$RES" --name "$NAME" 2>&1 \
+timeout 90 $PY -m ddbench tree-bench --budgets 16,64,256,512,1024 --out "$RES" --name "$NAME" 2>&1 \
   | tail -45 | tee -a "$LOG" || echo "FAILED step: tree-bench sweep" | tee -a "$LOG"
 
 echo "== 3. tree-bench --tune ==" | tee -a "$LOG"
-timeout 90 $PY -m ddbench tree-bench --tune --out "$RES" --name "$TUNE" 2>&1 \
+timeout 60 $PY -m ddbench tree-bench --tune --out "$RES" --name "$TUNE" 2>&1 \
   | tail -40 | tee -a "$LOG" || echo "FAILED step: tree-bench --tune" | tee -a "$LOG"
 
 echo "== 4. summary ==" | tee -a "$LOG"
