@@ -334,7 +334,7 @@ def gpu_model(batch_dtype=torch.bfloat16, **over):
 def test_gpu_graph_decode_equals_eager_and_times_phases():
     from engine.decode import Decoder, measure_decode
 
-    m = gpu_model()
+    m = gpu_model(torch.float32)  # fp32: split-K atomics cannot flip a token between runs
     assert m.ops.kind == "triton"
     prompts = torch.randint(0, 1024, (3, 5), generator=torch.Generator().manual_seed(0))
     eager = Decoder(m, 3, 32, use_graph=False).generate(prompts, 8)
