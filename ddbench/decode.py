@@ -233,6 +233,8 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
         raise UserError(f"--init {init!r}: choose auto, exact or shard")
     if checkpoint is not None and not Path(checkpoint).is_dir():
         raise UserError(f"--checkpoint {checkpoint}: no such directory")
+    if checkpoint is not None and (override or preset):
+        raise UserError("--preset/--override do not apply with --checkpoint (its config.json defines the model)")
     distributed = tp > 1 and simulate_rank is None
     if distributed:
         gpus = gpus or tp
