@@ -22,9 +22,10 @@ How a step is timed (`measure_decode`):
   ahead of the GPU. The batch state is saved before and restored after every timing
   pass (and the graph's warm-up), so timing does not change the output.
 - communication: for `SimComm`, the all-reduce/all-gather times of one step are modelled
-  (`comm.modelled_us` over the eager step) and not in the measured step (the stand-ins
-  do no communication); for `DistComm` they are measured like any other phase and are
-  part of the graph's step time.
+  (`comm.modelled_us` summed over the Python pass of the phase-timed step, i.e. the
+  capture of the timing graph or the eager step) and are not in the measured step (the
+  stand-ins do no communication); for `DistComm` they are measured like any other phase
+  and are part of the graph's step time.
 """
 from __future__ import annotations
 
