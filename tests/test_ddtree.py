@@ -274,3 +274,32 @@ def test_gpu_step_in_cuda_graph():
     assert torch.equal(ra, acc) and torch.equal(rn, n_acc) and torch.equal(rb, bonus)
     commit_kv_ref(c0, k0, prefix, ra)
     assert torch.equal(c0, ckv) and torch.equal(k0, kpe)
+
+
+# --------------------------------------------------------------------------------------
+# the tree-bench command (CPU: tiny preset under the interpreter)
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU tiny preset only runs without a GPU")
+def test_tree_bench_cli_cpu(tmp_path):
+    import json
+
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from ddbench.cli import app
+    from ddbench.tree_bench import COLUMNS, summary
+
+    r = CliRunner().invoke(app, ["tree-bench", "--out", str(tmp_path), "--name", "tb"])
+    assert r.exit_code == 0, r.output
+    assert "tiny CPU preset" in r.output
+    df = pd.read_csv(tmp_path / "tb.csv")
+    assert list(df.columns) == COLUMNS
+    assert set(df.kernel) == {"topk", "build", "accept", "accept_commit", "commit", "attn"}
+    att = df[df.kernel == "attn"]
+    assert (att.max_abs_err < 1e-4).all() and (att.kv_bytes > 0).all()
+    meta = json.loads((tmp_path / "tb.json").read_text())
+    assert meta["kind"] == "tree_bench" and meta["cpu_tiny"] and meta["completed"]
+    summary(tmp_path / "tb.csv")
+    bad = CliRunner().invoke(app, ["tree-bench", "--out", str(tmp_path), "--kernels", "nope"])
+    assert bad.exit_code == 2 and "nope" in bad.output
