@@ -141,8 +141,12 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
 
 def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prompt_lens: list[int],
                     new_tokens: int, topk: int | None, graph: bool, copy_bw, base: dict, seed: int,
-                    on_row, kernels: str = "auto") -> None:
-    """Prefill c streams once, then AR and every budget x acceptance from that state."""
+                    on_row, kernels: str = "auto", errors: list | None = None) -> None:
+    """Prefill c streams once, then AR and every budget x acceptance from that state.
+
+    With an `errors` list, a budget whose run raises is reported (traceback on stderr, a
+    line in `errors`) and the next budget runs; without one the exception propagates (a
+    real TP run must fail on every rank alike)."""
     from engine.spec import ARStep, Session, SpecStep
 
     g = torch.Generator().manual_seed(seed + c)
@@ -181,10 +185,18 @@ def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prom
         for group in (real, drawn):
             if not group:
                 continue
-            step = SpecStep(sess, budget, topk, group[0], kernels=kernels)
-            for acc in group:
-                step.set_acceptance(acc)
-                go(step, budget, acc, f"engine DDTree {acc.label}")
+            step = None
+            try:
+                step = SpecStep(sess, budget, topk, group[0], kernels=kernels)
+                for acc in group:
+                    step.set_acceptance(acc)
+                    go(step, budget, acc, f"engine DDTree {acc.label}")
+            except Exception as e:  # noqa: BLE001 - keep measuring the other budgets, fail at the end
+                if errors is None:
+                    raise
+                import traceback
+                traceback.print_exc()
+                errors.append(f"c={c} budget={budget} {'/'.join(a.label for a in group)}: {type(e).__name__}: {e}")
             del step
             if cuda:
                 torch.cuda.empty_cache()
@@ -411,6 +423,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
                         moe_backend=moe, attn_backend=attn, acceptance=[a.label for a in accs],
                         method=__doc__.split("How a run is timed (engine/spec.py has the loop):")[1].strip())
     n_rows = len(concurrency) * (1 + len(budgets) * len(accs))
+    errors: list[str] = []
     with ResultWriter(out, "e2e", meta, name=name) as writer, Progress(console=console) as progress:
         task = progress.add_task(f"init {cfg.name} tp={tp} {mode}", total=n_rows)
 
@@ -441,13 +454,18 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
                 progress.update(task, description=f"e2e {cfg.name} tp={tp} c={c}")
                 try:
                     run_concurrency(model, drafter, c, budgets, accs, lens, new_tokens, topk, graph, copy_bw,
-                                    {**base, "init": used}, seed, on_row)
+                                    {**base, "init": used}, seed, on_row, errors=errors)
                 except torch.cuda.OutOfMemoryError as e:
                     raise UserError(f"out of GPU memory at concurrency {c}: {e}") from None
             if cuda:
                 writer.meta["gpu_mem_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        writer.meta["errors"] = errors
     print_table(console, writer.rows, baseline_rows([baseline]))
     console.print(f"wrote {writer.path}")
+    if errors:
+        for e in errors:
+            console.print(f"FAILED {e}", style="red")
+        raise SystemExit(1)
     return writer.path
 
 

@@ -70,6 +70,28 @@ def test_e2e_tensor_parallel_gloo(tmp_path):
     assert bool(df[df.decoder == "ddtree"].matches_ar.iloc[0])
 
 
+def test_e2e_keeps_going_after_a_failing_budget(tmp_path, monkeypatch):
+    """A budget whose run raises is reported and skipped; the others are measured; exit 1."""
+    from engine import spec
+
+    real_draft = spec.SpecStep._draft
+
+    def draft(self):
+        if self.budget == 5:
+            raise RuntimeError("injected failure")
+        return real_draft(self)
+    monkeypatch.setattr(spec.SpecStep, "_draft", draft)
+    r = CliRunner().invoke(app, ["e2e", "--preset", "tiny", "--concurrency", "1", "--budget", "5,3",
+                                 "--acceptance", "synthetic:2", "--prompt-len", "4", "--new-tokens", "4",
+                                 "--out", str(tmp_path)])
+    assert r.exit_code == 1
+    assert "FAILED c=1 budget=5 synthetic:2: RuntimeError: injected failure" in r.output
+    df = pd.read_csv(next(tmp_path.glob("e2e_*.csv")))
+    assert list(df.budget) == [0, 3]
+    meta = json.loads(next(tmp_path.glob("e2e_*.json")).read_text())
+    assert len(meta["errors"]) == 1
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--acceptance", "synthetic:99"], "TAU"),
     (["--acceptance", "magic"], "--acceptance"),
