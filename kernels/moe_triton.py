@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-BK = 32  # K rows per step: one scale group of 32 (group sizes must be multiples of it)
+KMIN = 32  # K rows per sub-step: one scale group of 32 (group sizes must be multiples of it)
 # operand kinds: fp32 (tests), fp16, bf16 -> magic-number bias left in the dequantized value
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _BIAS = {0: 0.0, 1: 1032.0, 2: 136.0}
@@ -50,24 +50,45 @@ class MoeTritonConfig:
     block_m: int = 16       # sorted rows per program (also the alignment of each expert's rows)
     block_n13: int = 64     # gate (and up) columns per w13 program
     block_n2: int = 64      # output columns per w2 program
+    block_k13: int = 128    # K rows per w13 loop step (a multiple of 32; lowered to divide H)
+    block_k2: int = 128     # K rows per w2 loop step (lowered to divide I)
+    acc_scale: bool = False  # 32-row steps, exact (q + bias) operands, scales on the products
     split_k: int = 1        # K splits of w13 (fp32 atomics + SiLU in w2's load when > 1)
     atomic_out: bool = False  # w2 adds into an fp32 [T, H] instead of writing [T*k, H] + sum
     num_warps: int = 4
     num_stages: int = 3
 
 
+# Tiles by tokens per expert (T*k/E): the first row whose bound is >= it applies.
+# Fields as MoeTritonConfig; split_k is always the heuristic's. Measured on an H200 at the
+# K2.6 TP-8 shard (docs/notes/moe.md).
+TILE_TABLE: list[tuple[float, dict]] = [
+    (16, dict(block_m=16)),
+    (32, dict(block_m=32)),
+    (float("inf"), dict(block_m=64)),
+]
+
+
 def default_config(tokens: int, top_k: int, n_experts: int, inter: int, hidden: int,
-                   n_sms: int = 132) -> MoeTritonConfig:
-    """Heuristic tiles: small BLOCK_M while experts see few rows; split w13's K while its
-    grid would leave SMs idle."""
+                   n_sms: int = 132, table: list | None = None) -> MoeTritonConfig:
+    """Tiles from `table` (default TILE_TABLE) by tokens per expert, narrowed to divide the
+    shapes, and w13's K split while its grid would leave SMs idle."""
     per_expert = tokens * top_k / n_experts
-    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    bn13 = 64 if inter % 64 == 0 else 32
-    bn2 = 64 if hidden % 64 == 0 else 32
+    fields = next(f for bound, f in (table or TILE_TABLE) if per_expert <= bound)
+    cfg = replace(MoeTritonConfig(), **fields)
+    bn13 = cfg.block_n13
+    while inter % bn13 and bn13 > 32:
+        bn13 //= 2
+    bn2 = cfg.block_n2
+    while hidden % bn2 and bn2 > 32:
+        bn2 //= 2
+    bm = cfg.block_m
     blocks = min(n_experts, tokens * top_k) + tokens * top_k // bm
     programs = blocks * (inter // bn13)
     split = 1 if programs >= 2 * n_sms else min(8, -(-2 * n_sms // programs))
-    return MoeTritonConfig(block_m=bm, block_n13=bn13, block_n2=bn2, split_k=split)
+    if "split_k" in fields:  # a table may pin it
+        split = fields["split_k"]
+    return replace(cfg, block_n13=bn13, block_n2=bn2, split_k=split)
 
 
 # ---------------------------------------------------------------- routing: sort and align
@@ -193,17 +214,48 @@ def _dot(a, b, KIND: tl.constexpr):
 
 
 @triton.jit
-def _int4_step(a, a_bias, w_ptrs, s_ptrs, shift, n_lo, KIND: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """One 32-row K step of one tile: a [BM, 32] x int4 words [32, BN/2] -> two scaled
-    [BM, BN/2] partial products (logical columns n_lo and n_lo + 8)."""
-    w = tl.load(w_ptrs)                                              # [32, C] int32
-    b0 = _as_operand((w >> shift[:, None]) & 0xF, KIND)
-    b1 = _as_operand((w >> (shift[:, None] + 8)) & 0xF, KIND)
-    s0 = tl.load(s_ptrs + _scale_col(n_lo, PER_CHANNEL)).to(tl.float32)          # [C]
-    s1 = tl.load(s_ptrs + _scale_col(n_lo + 8, PER_CHANNEL)).to(tl.float32)
-    d0 = (_dot(a, b0, KIND) - a_bias) * s0[None, :]
-    d1 = (_dot(a, b1, KIND) - a_bias) * s1[None, :]
-    return d0, d1
+def _int4_step(a, acc0, acc1, w_ptrs, s_base, k0, stride_sg, GROUP, shift, n_lo,
+               BK: tl.constexpr, C: tl.constexpr, ACC_SCALE: tl.constexpr,
+               KIND: tl.constexpr, BIAS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """One BK-row K step of one tile: acc0/acc1 `[BM, C]` (logical columns n_lo, n_lo + 8)
+    += a `[BM, BK]` x the dequantized int4 words `[BK, C]` (row r shifted by shift[r]).
+
+    ACC_SCALE (BK == 32, one group): exact (q + bias) operands, the bias removed as
+    BIAS * rowsum(a) and the group scale applied to the `[BM, C]` product. Otherwise
+    (any BK): (q - 8) * scale formed in fp32, cast to a's dtype and accumulated by the dot.
+    """
+    w = tl.load(w_ptrs)                                              # [BK, C] int32
+    q0 = (w >> shift[:, None]) & 0xF
+    q1 = (w >> (shift[:, None] + 8)) & 0xF
+    sc0 = _scale_col(n_lo, PER_CHANNEL)
+    sc1 = _scale_col(n_lo + 8, PER_CHANNEL)
+    if ACC_SCALE:
+        s_row = s_base + (k0 // GROUP) * stride_sg
+        s0 = tl.load(s_row + sc0).to(tl.float32)                     # [C]
+        s1 = tl.load(s_row + sc1).to(tl.float32)
+        a_bias = BIAS * tl.sum(a.to(tl.float32), 1)[:, None]         # [BM, 1]
+        acc0 += (_dot(a, _as_operand(q0, KIND), KIND) - a_bias) * s0[None, :]
+        acc1 += (_dot(a, _as_operand(q1, KIND), KIND) - a_bias) * s1[None, :]
+    else:
+        NG: tl.constexpr = BK // 32
+        s_rows = s_base + ((k0 + 32 * tl.arange(0, NG)) // GROUP)[:, None] * stride_sg   # [NG, 1]
+        s0 = tl.load(s_rows + sc0[None, :]).to(tl.float32)           # [NG, C]
+        s1 = tl.load(s_rows + sc1[None, :]).to(tl.float32)
+        s0 = tl.reshape(tl.broadcast_to(s0[:, None, :], (NG, 32, C)), (BK, C))
+        s1 = tl.reshape(tl.broadcast_to(s1[:, None, :], (NG, 32, C)), (BK, C))
+        b0 = _cast(((q0 | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * s0, KIND)
+        b1 = _cast(((q1 | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0) * s1, KIND)
+        acc0 = _dot_acc(a, b0, acc0, KIND)
+        acc1 = _dot_acc(a, b1, acc1, KIND)
+    return acc0, acc1
+
+
+@triton.jit
+def _dot_acc(a, b, acc, KIND: tl.constexpr):
+    if KIND == 0:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -235,7 +287,7 @@ def _w13_kernel(
     # sizes
     I, TOP_K, GROUP, K_STEPS, STEPS_PER_SPLIT,
     # meta
-    BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, ACC_SCALE: tl.constexpr,
     VEC_G: tl.constexpr, VEC_U: tl.constexpr, KIND: tl.constexpr, BIAS: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
 ):
@@ -245,7 +297,7 @@ def _w13_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     a_rows = x_ptr + (assign // TOP_K).to(tl.int64) * stride_x      # [BM]
-    r = tl.arange(0, 32)
+    r = tl.arange(0, BK)
     shift = 16 * (r % 2) + 4 * ((r % 16) // 8)                      # nibble of row r (bn = 0)
     wrow = (r // 16) * stride_wk + ((r % 8) // 2) * 4               # word of row r (kt, t)
     n0 = pid_n * BN
@@ -260,17 +312,13 @@ def _w13_kernel(
     k_first = pid_k * STEPS_PER_SPLIT
     k_last = tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT)
     for ks in range(k_first, k_last):
-        k0 = ks * 32
+        k0 = ks * BK
         a = _cast(tl.load(a_rows[:, None] + (k0 + r)[None, :], mask=valid[:, None], other=0.0), KIND)
-        a_bias = BIAS * tl.sum(a.to(tl.float32), 1)[:, None]
-        w_k = w_e + (k0 // 16) * stride_wk + wrow[:, None]          # [32, 1]
-        s_k = s_e + (k0 // GROUP) * stride_sg
-        d0, d1 = _int4_step(a, a_bias, w_k + wcol_g[None, :], s_k, shift, n_g, KIND, PER_CHANNEL)
-        g0 += d0
-        g1 += d1
-        d0, d1 = _int4_step(a, a_bias, w_k + wcol_u[None, :], s_k, shift, n_u, KIND, PER_CHANNEL)
-        u0 += d0
-        u1 += d1
+        w_k = w_e + (k0 // 16) * stride_wk + wrow[:, None]          # [BK, 1]
+        g0, g1 = _int4_step(a, g0, g1, w_k + wcol_g[None, :], s_e, k0, stride_sg, GROUP, shift, n_g,
+                            BK, BN // 2, ACC_SCALE, KIND, BIAS, PER_CHANNEL)
+        u0, u1 = _int4_step(a, u0, u1, w_k + wcol_u[None, :], s_e, k0, stride_sg, GROUP, shift, n_u,
+                            BK, BN // 2, ACC_SCALE, KIND, BIAS, PER_CHANNEL)
     rows = out_ptr + assign.to(tl.int64)[:, None] * stride_o
     if not SPLIT:  # SiLU(gate) * up, stored at logical columns n_g, n_g + 8
         act0 = g0 / (1.0 + tl.exp(-g0)) * u0
@@ -297,7 +345,8 @@ def _w2_kernel(
     # sizes
     I, TOP_K, GROUP, K_STEPS,
     # meta
-    BM: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr, ATOMIC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC_SCALE: tl.constexpr,
+    GATED: tl.constexpr, ATOMIC: tl.constexpr,
     VEC: tl.constexpr, KIND: tl.constexpr, BIAS: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM)
@@ -305,7 +354,7 @@ def _w2_kernel(
         return
     pid_n = tl.program_id(1)
     a_rows = a_ptr + assign.to(tl.int64) * stride_a                 # [BM]
-    r = tl.arange(0, 32)
+    r = tl.arange(0, BK)
     shift = 16 * (r % 2) + 4 * ((r % 16) // 8)
     wrow = (r // 16) * stride_wk + ((r % 8) // 2) * 4
     wcol, n_lo = _tile_cols(pid_n * BN, BN, VEC)
@@ -314,7 +363,7 @@ def _w2_kernel(
     acc0 = tl.zeros((BM, BN // 2), tl.float32)
     acc1 = tl.zeros((BM, BN // 2), tl.float32)
     for ks in range(0, K_STEPS):
-        k0 = ks * 32
+        k0 = ks * BK
         a_ptrs = a_rows[:, None] + (k0 + r)[None, :]
         if GATED:  # SiLU(gate) * up from w13's fp32 split-K sums
             gate = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
@@ -322,12 +371,9 @@ def _w2_kernel(
             a = _cast(gate / (1.0 + tl.exp(-gate)) * up, KIND)
         else:
             a = _cast(tl.load(a_ptrs, mask=valid[:, None], other=0.0), KIND)
-        a_bias = BIAS * tl.sum(a.to(tl.float32), 1)[:, None]
         w_k = w_e + (k0 // 16) * stride_wk + wrow[:, None]
-        d0, d1 = _int4_step(a, a_bias, w_k + wcol[None, :], s_e + (k0 // GROUP) * stride_sg,
-                            shift, n_lo, KIND, PER_CHANNEL)
-        acc0 += d0
-        acc1 += d1
+        acc0, acc1 = _int4_step(a, acc0, acc1, w_k + wcol[None, :], s_e, k0, stride_sg, GROUP, shift, n_lo,
+                                BK, BN // 2, ACC_SCALE, KIND, BIAS, PER_CHANNEL)
     wt = tl.load(topk_w_ptr + assign, mask=valid, other=0.0).to(tl.float32)[:, None]
     if ATOMIC:
         rows = out_ptr + (assign // TOP_K).to(tl.int64)[:, None] * stride_o
@@ -350,6 +396,15 @@ def _vec(n0_align: int, bn: int) -> int:
     return run
 
 
+def _fit_bk(cfg: MoeTritonConfig, k: int, bk: int) -> int:
+    """The K step actually used: 32 with acc_scale, else bk halved until it divides K."""
+    if cfg.acc_scale:
+        return KMIN
+    while k % bk:
+        bk //= 2
+    return bk
+
+
 def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg: MoeTritonConfig):
     """Raise ValueError on shapes, dtypes or tiles the kernels do not handle."""
     if x.dim() != 2 or x.shape[1] != w.hidden:
@@ -358,11 +413,14 @@ def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         raise ValueError(f"x dtype {x.dtype} not supported (bf16, fp16 or fp32)")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids/topk_weights must be [T, k] with T = {x.shape[0]}")
-    if w.group_size % BK:
-        raise ValueError(f"group size {w.group_size} is not a multiple of {BK}")
+    if w.group_size % KMIN:
+        raise ValueError(f"group size {w.group_size} is not a multiple of {KMIN}")
     h, i = w.hidden, w.inter
-    if i % BK or h % BK:
-        raise ValueError(f"hidden {h} and intermediate {i} must be multiples of {BK}")
+    if i % KMIN or h % KMIN:
+        raise ValueError(f"hidden {h} and intermediate {i} must be multiples of {KMIN}")
+    for name, bk in [("block_k13", cfg.block_k13), ("block_k2", cfg.block_k2)]:
+        if bk < KMIN or bk & (bk - 1):
+            raise ValueError(f"{name}={bk} must be a power of two >= {KMIN}")
     if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
         raise ValueError(f"block_m {cfg.block_m} must be a power of two >= 16")
     for name, bn, n in [("block_n13", cfg.block_n13, i), ("block_n2", cfg.block_n2, h)]:
@@ -396,7 +454,8 @@ def triton_w13(x: torch.Tensor, routing: tuple, top_k: int, w, cfg: MoeTritonCon
     t, h, i = x.shape[0], w.hidden, w.inter
     x = x.contiguous()
     n_blocks = routing[1].numel()
-    k_steps = h // BK
+    bk = _fit_bk(cfg, h, cfg.block_k13)
+    k_steps = h // bk
     per_split = triton.cdiv(k_steps, max(1, min(cfg.split_k, k_steps)))
     split = triton.cdiv(k_steps, per_split)
     if split == 1:
@@ -408,7 +467,7 @@ def triton_w13(x: torch.Tensor, routing: tuple, top_k: int, w, cfg: MoeTritonCon
         x, w13, s13, *routing, mid,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), mid.stride(0),
         i, top_k, w.group_size, k_steps, per_split,
-        BM=cfg.block_m, BN=cfg.block_n13, SPLIT=split > 1,
+        BM=cfg.block_m, BN=cfg.block_n13, BK=bk, SPLIT=split > 1, ACC_SCALE=cfg.acc_scale,
         VEC_G=_vec(cfg.block_n13, cfg.block_n13), VEC_U=_vec(i, cfg.block_n13),
         PER_CHANNEL=h == w.group_size, **_meta(x.dtype, cfg))
     return mid
@@ -422,6 +481,7 @@ def triton_w2(mid: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w,
     h, i = w.hidden, w.inter
     gated = mid.shape[1] == 2 * i                 # fp32 gate|up sums from a split-K w13
     n_blocks = routing[1].numel()
+    bk = _fit_bk(cfg, i, cfg.block_k2)
     w2, s2 = w.w2, w.w2_scale
     tw = topk_weights.reshape(-1).float().contiguous()
     if cfg.atomic_out:
@@ -431,8 +491,8 @@ def triton_w2(mid: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w,
     _w2_kernel[(n_blocks, h // cfg.block_n2)](
         mid, w2, s2, *routing, tw, y,
         mid.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        i, k, w.group_size, i // BK,
-        BM=cfg.block_m, BN=cfg.block_n2, GATED=gated, ATOMIC=cfg.atomic_out,
+        i, k, w.group_size, i // bk,
+        BM=cfg.block_m, BN=cfg.block_n2, BK=bk, ACC_SCALE=cfg.acc_scale, GATED=gated, ATOMIC=cfg.atomic_out,
         VEC=_vec(cfg.block_n2, cfg.block_n2), PER_CHANNEL=i == w.group_size, **_meta(dtype, cfg))
     if cfg.atomic_out:
         return y.to(dtype)
