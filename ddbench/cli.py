@@ -121,6 +121,48 @@ def report(
 
 # Subcommands added by later routines register below, one block each.
 # --- moe-sweep ---
+@app.command("moe-sweep")
+@user_errors
+def moe_sweep(
+    preset: Optional[str] = typer.Option(None, "--preset", help="Model preset (default: k2.6 on a GPU, tiny on the CPU)."),
+    tp: int = typer.Option(8, "--tp", help="Tensor-parallel degree: 8 = one rank's shard, 1 = the whole layer."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="Token counts, e.g. '1,16,256' or '1-8' "
+                                         "(default 1,2,4,...,4096)."),
+    routing: str = typer.Option("uniform", "--routing", help="Comma list of uniform, skewed, balanced, router "
+                                "(K2.6's router on a random router weight)."),
+    backends: Optional[str] = typer.Option(None, "--backends", help="Comma list of torch (reference), triton "
+                                           "(default: both on a GPU, torch on the CPU)."),
+    graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="Also time the triton backend in CUDA graphs."),
+    check: bool = typer.Option(False, "--check", help="Compare each backend with the fp32 reference first (rel_err)."),
+    reps: int = typer.Option(20, "--reps", help="Timed repeats per point (the torch reference uses a quarter)."),
+    warmup: int = typer.Option(3, "--warmup", help="Untimed calls first."),
+    torch_max_tokens: Optional[int] = typer.Option(None, "--torch-max-tokens",
+                                                   help="Skip the slow torch reference above this T "
+                                                        "(default: all at tp>=8 or on the CPU, 256 at tp<8 on a GPU)."),
+    tiles: Optional[Path] = typer.Option(None, "--tiles", help="JSON tile table for the triton backend "
+                                         "(list of {max_per_expert, block_m, ...}); default: the built-in one."),
+    hot: int = typer.Option(16, "--hot", help="skewed routing: number of hot experts."),
+    hot_share: float = typer.Option(0.5, "--hot-share", help="skewed routing: probability mass of the hot experts."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
+    name: Optional[str] = typer.Option(None, "--name", help="Output name (default moe_sweep_tp{tp}_{timestamp})."),
+    seed: int = SEED, out: Path = OUT,
+    override: Optional[List[str]] = OVERRIDE,
+):
+    """Sweep token counts through the INT4 MoE GEMM (w13 -> SiLU*up -> w2 -> weighted sum).
+
+    Random Marlin-packed experts at the preset's shapes (one TP rank's shard with --tp 8),
+    a routing per token count, and each backend timed for the whole layer and for each
+    GEMM, with roofline columns against the copy bandwidth and bf16 GEMM rate measured in
+    the same run. Without a GPU it runs the tiny preset on the CPU (torch backend; triton
+    under the interpreter when asked with --backends triton).
+    """
+    from ddbench.moe_sweep import run
+
+    run(preset=preset, tp=tp, tokens=tokens, routing=routing, backends=backends, graphs=graphs, check=check,
+        reps=reps, warmup=warmup, torch_max_tokens=torch_max_tokens, tiles=tiles, hot=hot, hot_share=hot_share,
+        device=device, name=name, seed=seed, out=out, override=override)
+
+
 # --- allreduce ---
 @app.command()
 @user_errors
