@@ -39,6 +39,8 @@ def test_triton_matches_reference(tp, tokens, routing, dtype):
 @pytest.mark.parametrize("mcfg", [
     MoeTritonConfig(block_m=32, block_n13=32, block_n2=64, split_k=3),       # fp32 atomics + SiLU in w2's load
     MoeTritonConfig(block_m=16, block_n13=32, block_n2=128, atomic_out=True),  # sum over k by atomics
+    MoeTritonConfig(block_m=16, block_n13=32, block_n2=64, acc_scale=True),    # 32-row steps, scales on products
+    MoeTritonConfig(block_m=16, block_n13=32, block_n2=64, block_k13=64, block_k2=256),
 ])
 def test_triton_config_variants(mcfg):
     cfg, w = tiny_weights(8, seed=3)
@@ -71,6 +73,7 @@ def test_align_tokens_sorts_and_pads():
     (dict(block_m=24), "block_m"),
     (dict(block_n13=48), "block_n13"),
     (dict(block_n13=32, block_n2=512), "block_n2"),
+    (dict(block_n13=32, block_k13=96), "block_k13"),
 ])
 def test_check_inputs_rejects_bad_tiles(change, message):
     cfg, w = tiny_weights(8)
