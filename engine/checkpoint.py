@@ -210,7 +210,7 @@ def load_into(model, path: Path) -> None:
                     local[proj][0].append(q)
                     local[proj][1].append(s)
             dev = moe.w13.device  # repack on the model's device
-            # per proj: q [e, out, in_local or out_local, in], scale [e, .., ../g]
+            # q uint8 [e, I/tp, H] (gate, up) or [e, H, I/tp] (down); scale [e, rows, cols/g]
             stacked = {p: (torch.stack(q).to(dev), torch.stack(s).to(dev)) for p, (q, s) in local.items()}
             W.set_experts(moe, experts, W.to_marlin(cfg, stacked))
 
