@@ -19,7 +19,10 @@ RES=results/h200
 mkdir -p "$RES"
 LOG=$RES/e2e_$STAMP.log
 ACC=synthetic:3,synthetic:6,synthetic:9
-COMMON="--preset k2.6 --tp 8 --simulate-rank 0 --acceptance $ACC --prompt-len 128 --new-tokens 64 --out $RES"
+# prompt 128 keeps the context short (tree-verify attention grows with context x tree size;
+# docs/notes/tree.md); E2E_PROMPT_LEN / E2E_NEW_TOKENS change it
+COMMON="--preset k2.6 --tp 8 --simulate-rank 0 --acceptance $ACC --prompt-len ${E2E_PROMPT_LEN:-128}"
+COMMON="$COMMON --new-tokens ${E2E_NEW_TOKENS:-64} --out $RES"
 
 echo "== GPU tests: DDTree loop (tiny) ==" | tee "$LOG"
 timeout -s INT 75 $PY -m pytest -q -m gpu tests/test_spec_gpu.py 2>&1 | tail -20 | tee -a "$LOG" \
