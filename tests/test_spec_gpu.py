@@ -65,3 +65,23 @@ def test_graphs_replay_the_eager_step(acc):
         assert same >= 2, "bf16 tree verify and AR disagree on most streams"
     else:
         assert [len(o) for o in graphed] == limits and st_g.mean_accepted > 2.0
+
+
+def test_phase_timing_in_graphs():
+    """Per-phase events between the step's graphs, and the verify split from a graph of the
+    verify with event nodes (what `ddbench e2e` reports)."""
+    cfg, target, drafter = build(torch.bfloat16, "triton", "triton")
+    ps = prompts(cfg, [8, 8], seed=2)
+    s = Session(target, drafter, 2, max_prompt=8, max_new=16, max_budget=16)
+    s.prefill(ps, 16)
+    step = SpecStep(s, 16, acceptance=parse_acceptance("synthetic:3", drafter.dc.depth), kernels="triton")
+    assert step.capture(), step.graph_error
+    eager = step.profile_verify()
+    graphed = step.graph_verify_phases()
+    for prof in (eager, graphed):
+        assert prof.get("attention", 0) > 0 and prof.get("moe", 0) > 0
+    s.restore()
+    stats = step.run()
+    assert stats.cuda_graph and stats.steps > 0
+    assert all(stats.phase_us[p] > 0 for p in ("draft", "tree", "verify", "accept", "context"))
+    assert stats.wall_us > 0.5 * stats.device_us
