@@ -459,7 +459,7 @@ class _Stepper:
         import statistics
 
         keep = {k: v for k, v in self.__dict__.items() if k in ("argmax", "hid", "next")}
-        timer = PhaseTimer(self.sess.device, external=True)
+        timer = PhaseTimer(self.sess.device, external=True, merge=True)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
