@@ -36,7 +36,7 @@ class Ops:
         tri = kind == "triton"
         self.kind = kind
         self.rms_norm = fused_ops.rms_norm if tri else fused_ops.rms_norm_ref
-        self.kv_norm_rope_store = fused_ops.kv_norm_rope_store if tri else fused_ops.kv_norm_rope_store_ref
+        self.mla_a_post = fused_ops.mla_a_post if tri else fused_ops.mla_a_post_ref
         self.rope_ = fused_ops.rope_ if tri else fused_ops.rope_ref_
         self.silu_mul = fused_ops.silu_mul if tri else fused_ops.silu_mul_ref
 
@@ -88,9 +88,9 @@ class MLA(nn.Module):
         self.cfg, self.layer, self.ops = cfg, layer, ops
         h, nh = cfg.hidden, cfg.n_heads
         self.wqkv_a = Linear(h, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_dim, device, dtype)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops, device, dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops, device, dtype)   # weights used by mla_a_post
         self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, nh * cfg.qk_head_dim, comm, device, dtype)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, ops, device, dtype)  # weight used by kv store
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, ops, device, dtype)
         self.wkv_b = ColumnParallelLinear(cfg.kv_lora_rank, nh * (cfg.qk_nope_dim + cfg.v_head_dim), comm,
                                           device, dtype)
         self.wo = RowParallelLinear(nh * cfg.v_head_dim, h, comm, device, dtype)
@@ -101,13 +101,13 @@ class MLA(nn.Module):
         b, t, _ = x.shape
         nh, dn, dr, dv, lat = cfg.n_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
         qkv = self.wqkv_a(x)                                                    # [B, T, Q+L+Dr]
-        q_a, kv = qkv.split([cfg.q_lora_rank, lat + dr], dim=-1)               # [B, T, Q], [B, T, L+Dr]
-        q = self.wq_b(self.q_norm(q_a)).view(b, t, nh, dn + dr)                # [B, T, nh, Dn+Dr]
+        # one kernel: q_norm(q latent) -> q_a; kv_norm(kv latent) and rope(k_pe) straight
+        # into the cache at prefix_len[b] + j
+        q_a = self.ops.mla_a_post(qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin,
+                                  cache.ckv[self.layer], cache.kpe[self.layer], prefix_len, cfg.norm_eps)
+        q = self.wq_b(q_a).view(b, t, nh, dn + dr)                              # [B, T, nh, Dn+Dr]
         self.ops.rope_(q, cos, sin, dn)                                         # rope dims, in place
         q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
-        # normed latent + roped k_pe straight into the cache at prefix_len[b] + j
-        self.ops.kv_norm_rope_store(kv, self.kv_norm.weight, cos, sin, cache.ckv[self.layer],
-                                    cache.kpe[self.layer], prefix_len, cfg.norm_eps)
         wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]
         q_lat = torch.einsum("bthd,hdl->bthl", q_nope, wkv_b[:, :dn])          # [B, T, nh, L]
         o_lat = self.attend(q_lat, q_pe.to(q_lat.dtype), cache.ckv[self.layer], cache.kpe[self.layer],

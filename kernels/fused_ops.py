@@ -4,9 +4,9 @@ A decode step at concurrency 1 moves little data per op, so its time is mostly t
 number of kernels; these kernels replace chains of 5-25 elementwise torch ops:
 
 - `rms_norm`: y = x / rms(x) * w, optionally fused with the residual add before it.
-- `kv_norm_rope_store`: the MLA kv path after wkv_a: RMSNorm of the 512 latent dims,
-  interleaved rope of the 64 k_pe dims, both written straight into the KV cache at
-  position prefix_len[b] + t.
+- `mla_a_post`: everything between MLA's fused wq_a|wkv_a GEMM and wq_b: RMSNorm of the
+  q latent (1536), RMSNorm of the kv latent (512) and interleaved rope of k_pe (64),
+  the last two written straight into the KV cache at position prefix_len[b] + t.
 - `rope_`: interleaved rope in place on a slice of every head (q's rope dims).
 - `silu_mul`: SiLU(gate) * up for a fused [gate | up] projection.
 - `route`: K2.6 router after the gate GEMM: sigmoid, top-k of score + bias, weights
@@ -74,31 +74,38 @@ def rms_norm(x, w, eps, residual=None):
     return (y, h.view(x.shape)) if has_res else y
 
 
-# ---- MLA kv path: norm + rope + cache store --------------------------------------------
+# ---- MLA after wq_a|wkv_a: q norm, kv norm + rope + cache store -------------------------
 
 @triton.jit
-def _kv_store_kernel(
-    kv_ptr, w_ptr, cos_ptr, sin_ptr,        # kv [B*T, L+R] rows, norm weight [L], cos/sin [B*T, R/2]
-    ckv_ptr, kpe_ptr, plen_ptr,             # caches [B, S, L] and [B, S, R]; prefix_len [B]
-    stride_kv, stride_cs,
+def _mla_a_post_kernel(
+    qkv_ptr, qw_ptr, kvw_ptr, cos_ptr, sin_ptr,  # qkv [B*T, Q+L+R] rows, norm weights [Q], [L], cos/sin [B*T, R/2]
+    q_ptr, ckv_ptr, kpe_ptr, plen_ptr,           # out: q [B*T, Q]; caches [B, S, L], [B, S, R]; prefix_len [B]
+    stride_qkv, stride_cs, stride_q,
     stride_cb, stride_cs_pos, stride_pb, stride_ps_pos,
-    T, L, R, eps,
-    BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+    T, Q, L, R, eps,
+    BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0)
+    src = qkv_ptr + row * stride_qkv
+    # q latent: RMSNorm -> q
+    oq = tl.arange(0, BLOCK_Q)
+    mq = oq < Q
+    a = tl.load(src + oq, mask=mq, other=0.0).to(tl.float32)
+    a = a / tl.sqrt(tl.sum(a * a, axis=0) / Q + eps) * tl.load(qw_ptr + oq, mask=mq, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * stride_q + oq, a.to(q_ptr.dtype.element_ty), mask=mq)
+    # kv latent: RMSNorm -> ckv cache at prefix_len[b] + t
     b = row // T
     pos = tl.load(plen_ptr + b).to(tl.int64) + row % T
     offs = tl.arange(0, BLOCK_L)
     m = offs < L
-    c = tl.load(kv_ptr + row * stride_kv + offs, mask=m, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(c * c, axis=0) / L + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(ckv_ptr + b * stride_cb + pos * stride_cs_pos + offs, (c * rstd * w).to(ckv_ptr.dtype.element_ty),
-             mask=m)
+    c = tl.load(src + Q + offs, mask=m, other=0.0).to(tl.float32)
+    c = c / tl.sqrt(tl.sum(c * c, axis=0) / L + eps) * tl.load(kvw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(ckv_ptr + b * stride_cb + pos * stride_cs_pos + offs, c.to(ckv_ptr.dtype.element_ty), mask=m)
+    # k_pe: interleaved rope -> kpe cache
     i = tl.arange(0, BLOCK_H)
     mh = i < R // 2
-    x0 = tl.load(kv_ptr + row * stride_kv + L + 2 * i, mask=mh, other=0.0).to(tl.float32)
-    x1 = tl.load(kv_ptr + row * stride_kv + L + 2 * i + 1, mask=mh, other=0.0).to(tl.float32)
+    x0 = tl.load(src + Q + L + 2 * i, mask=mh, other=0.0).to(tl.float32)
+    x1 = tl.load(src + Q + L + 2 * i + 1, mask=mh, other=0.0).to(tl.float32)
     cs = tl.load(cos_ptr + row * stride_cs + i, mask=mh, other=0.0)
     sn = tl.load(sin_ptr + row * stride_cs + i, mask=mh, other=0.0)
     dst = kpe_ptr + b * stride_pb + pos * stride_ps_pos
@@ -115,29 +122,41 @@ def _rope_ref(x, cos, sin):
     return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).flatten(-2)   # [N, .., R]
 
 
-def kv_norm_rope_store_ref(kv, w, cos, sin, ckv, kpe, prefix_len, eps):
-    """kv `[B, T, L+R]`, cos/sin `[B, T, R/2]`; writes caches ckv `[B, S, L]`, kpe `[B, S, R]`."""
-    b, t, _ = kv.shape
-    lat = ckv.shape[-1]
-    c = rms_norm_ref(kv[..., :lat], w, eps)
-    k = _rope_ref(kv[..., lat:].reshape(b * t, -1), cos.reshape(b * t, -1), sin.reshape(b * t, -1))
-    pos = prefix_len.long().view(b, 1) + torch.arange(t, device=kv.device)   # [B, T]
-    rows = torch.arange(b, device=kv.device).view(b, 1).expand(b, t)         # [B, T]
-    ckv.index_put_((rows, pos), c.to(ckv.dtype))
-    kpe.index_put_((rows, pos), k.view(b, t, -1).to(kpe.dtype))
+def mla_a_post_ref(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps):
+    """After the fused wq_a|wkv_a GEMM: qkv `[B, T, Q+L+R]`, cos/sin `[B, T, R/2]`.
 
-
-def kv_norm_rope_store(kv, w, cos, sin, ckv, kpe, prefix_len, eps):
-    """Triton version of `kv_norm_rope_store_ref` (one program per new token)."""
-    b, t, _ = kv.shape
+    Returns q_norm(q latent) `[B, T, Q]`; writes kv_norm(kv latent) to ckv `[B, S, L]` and
+    rope(k_pe) to kpe `[B, S, R]` at positions prefix_len[b] + t.
+    """
+    b, t, _ = qkv.shape
     lat, r = ckv.shape[-1], kpe.shape[-1]
-    kv2 = kv.reshape(b * t, -1)
+    q_dim = qkv.shape[-1] - lat - r
+    q = rms_norm_ref(qkv[..., :q_dim], q_w, eps)
+    c = rms_norm_ref(qkv[..., q_dim:q_dim + lat], kv_w, eps)
+    k = _rope_ref(qkv[..., q_dim + lat:].reshape(b * t, r), cos.reshape(b * t, -1), sin.reshape(b * t, -1))
+    pos = prefix_len.long().view(b, 1) + torch.arange(t, device=qkv.device)   # [B, T]
+    rows = torch.arange(b, device=qkv.device).view(b, 1).expand(b, t)         # [B, T]
+    ckv.index_put_((rows, pos), c.to(ckv.dtype))
+    kpe.index_put_((rows, pos), k.view(b, t, r).to(kpe.dtype))
+    return q
+
+
+def mla_a_post(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps):
+    """Triton version of `mla_a_post_ref` (one program per new token)."""
+    b, t, width = qkv.shape
+    lat, r = ckv.shape[-1], kpe.shape[-1]
+    q_dim = width - lat - r
+    qkv2 = qkv.reshape(b * t, width)                                          # [B*T, Q+L+R]
     cos2, sin2 = cos.reshape(b * t, -1).float().contiguous(), sin.reshape(b * t, -1).float().contiguous()
-    assert kv2.stride(-1) == 1 and ckv.stride(-1) == 1 and kpe.stride(-1) == 1
-    _kv_store_kernel[(b * t,)](kv2, w, cos2, sin2, ckv, kpe, prefix_len,
-                               kv2.stride(0), cos2.stride(0), ckv.stride(0), ckv.stride(1),
-                               kpe.stride(0), kpe.stride(1), t, lat, r, eps,
-                               BLOCK_L=_pow2(lat), BLOCK_H=_pow2(r // 2), num_warps=4)
+    assert qkv2.stride(-1) == 1 and ckv.stride(-1) == 1 and kpe.stride(-1) == 1
+    q = torch.empty(b * t, q_dim, dtype=qkv.dtype, device=qkv.device)
+    _mla_a_post_kernel[(b * t,)](qkv2, q_w, kv_w, cos2, sin2, q, ckv, kpe, prefix_len,
+                                 qkv2.stride(0), cos2.stride(0), q.stride(0),
+                                 ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1),
+                                 t, q_dim, lat, r, eps,
+                                 BLOCK_Q=_pow2(q_dim), BLOCK_L=_pow2(lat), BLOCK_H=_pow2(r // 2),
+                                 num_warps=8 if q_dim >= 1024 else 4)
+    return q.view(b, t, q_dim)
 
 
 # ---- rope in place on q ----------------------------------------------------------------

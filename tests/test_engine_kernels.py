@@ -36,19 +36,23 @@ def test_rms_norm(dtype, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kv_norm_rope_store(dtype):
+def test_mla_a_post_norms_and_stores(dtype):
     g = gen(2)
-    b, t, s, lat, r = 3, 2, 9, 48, 16
-    kv, w = randn(b, t, lat + r, g=g, dtype=dtype), 1 + randn(lat, g=g, dtype=dtype)
+    b, t, s, qd, lat, r = 3, 2, 9, 40, 48, 16
+    full = randn(b, t, 8 + qd + lat + r, g=g, dtype=dtype)
+    qkv = full[..., 8:]                              # a strided view, as after a fused GEMM
+    qw, kvw = 1 + randn(qd, g=g, dtype=dtype), 1 + randn(lat, g=g, dtype=dtype)
     ang = randn(b, t, r // 2, g=g)
     plen = torch.tensor([0, 4, 7], dtype=torch.int32, device=DEV)
-    caches = [(randn(b, s, lat, g=g, dtype=dtype), randn(b, s, r, g=g, dtype=dtype)) for _ in range(2)]
-    want, got = [tuple(c.clone() for c in caches[0])], [tuple(c.clone() for c in caches[0])]
-    F.kv_norm_rope_store_ref(kv, w, ang.cos(), ang.sin(), *want[0], plen, 1e-5)
-    F.kv_norm_rope_store(kv, w, ang.cos(), ang.sin(), *got[0], plen, 1e-5)
-    for a, e in zip(got[0], want[0]):
+    cache = (randn(b, s, lat, g=g, dtype=dtype), randn(b, s, r, g=g, dtype=dtype))
+    want, got = tuple(c.clone() for c in cache), tuple(c.clone() for c in cache)
+    q0 = F.mla_a_post_ref(qkv, qw, kvw, ang.cos(), ang.sin(), *want, plen, 1e-5)
+    q1 = F.mla_a_post(qkv, qw, kvw, ang.cos(), ang.sin(), *got, plen, 1e-5)
+    torch.testing.assert_close(q1, q0, **tol(dtype))
+    for a, e in zip(got, want):
         torch.testing.assert_close(a, e, **tol(dtype))
-    assert not torch.equal(want[0][0], caches[0][0])  # something was written
+    assert not torch.equal(want[0], cache[0]) and not torch.equal(want[1], cache[1])  # both written
+    torch.testing.assert_close(q0, F.rms_norm_ref(qkv[..., :qd], qw, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
