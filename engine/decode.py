@@ -97,10 +97,12 @@ class Decoder:
         torch.cuda.current_stream().wait_stream(side)
         self._restore(state)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._step()
-        torch.cuda.synchronize()
-        self._restore(state)
+        try:
+            with torch.cuda.graph(graph):
+                self._step()
+            torch.cuda.synchronize()
+        finally:
+            self._restore(state)
         self.graph = graph
 
     @torch.no_grad()
@@ -227,7 +229,12 @@ def measure_decode(model: Transformer, n_streams: int, prompt_len: int, new_toke
     prefill_s = time.perf_counter() - t0
 
     if dec.use_graph:
-        dec.capture()
+        try:
+            dec.capture()
+        except Exception as e:  # noqa: BLE001 - report and time eager steps instead
+            print(f"note: CUDA-graph capture of the decode step failed ({type(e).__name__}: {e}); "
+                  "timing eager steps (cuda_graph = False)")
+            dec.use_graph, dec.graph = False, None
     comm = model.comm
     phases, phase_method = dec.timed_phases()
     comm_modelled = getattr(comm, "modelled_us", 0.0)
