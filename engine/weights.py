@@ -27,9 +27,10 @@ Scales (why logits stay finite and O(1) through 61 layers):
 - every linear has std gain/sqrt(fan_in) (fan_in = the full input dim), which keeps a
   unit-variance input at unit variance (gain 1), except the projections that write into
   the residual stream (o_proj, dense/shared down_proj, routed down_proj), whose gain is
-  1/sqrt(2 * n_layers): each of the 2 * n_layers branches then adds at most
-  1/(2 n_layers) of unit variance, so the residual RMS stays below about sqrt(2) at any
-  depth instead of growing with it;
+  1/sqrt(2 * n_layers): each of the 2 * n_layers branches then adds about 1/(2 n_layers)
+  of unit variance, so the residual RMS ends near 1.5 at any depth instead of growing
+  with it (measured on `tiny` with 61 layers: 1.03, 1.13, 1.31, 1.50 after blocks 0, 10,
+  30, 60; logits std 1.0);
 - routed experts: INT4 nibbles uniform in -8..7 with group-32 bf16 scales chosen by
   `kernels.quant.random_int4` for the same std; the router's renormalised top-k weights
   sum to routed_scaling (2.827), whose squares sum to about 1, so the routed sum has
