@@ -61,8 +61,13 @@ def test_hidden_layers_are_block_outputs():
 def test_deep_random_model_stays_sane():
     """61 layers of random weights: finite logits of unit-ish size (weights docstring)."""
     m = tiny_model(n_layers=61, n_experts=8, top_k=2)
-    lg = run(m, torch.randint(0, m.cfg.vocab, (1, 2)))
+    cache = m.new_cache(1, 4)
+    with torch.no_grad():
+        lg, hid = m(torch.randint(0, m.cfg.vocab, (1, 2)), torch.arange(2).view(1, 2), cache,
+                    torch.zeros(1, dtype=torch.int32), causal_visible(1, 2), hidden_layers=(0, 60))
     assert lg.isfinite().all() and 0.3 < lg.std() < 3
+    rms = hid.pow(2).mean(-1).sqrt().mean((0, 1))   # residual RMS after blocks 0 and 60
+    assert 0.5 < rms[0] < 1.5 and rms[0] < rms[1] < 2.5, rms
 
 
 def test_kv_commit_moves_accepted_nodes_in_every_layer():
