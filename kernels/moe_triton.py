@@ -20,15 +20,24 @@ CUDA graph):
 
 Reading Marlin without the mma fragment: word `[kt, nb*128 + lane*4 + tile]` holds the 8
 nibbles of lane `lane` (t = lane%4, g = lane//4) of the 16x16 tile at (16kt, 64nb + 16tile);
-nibble i = 4*kodd + 2*bn + bk holds row 2t + kodd + 8bk, column g + 8bn. A K step is 32
-rows (one scale group): the word tile is loaded as `[32, BN/2]`, row r reading the word of
-(kt, t) = (r//16, (r%8)//2) (each word is read by 4 rows, from L1), so that shifting row r
-by 4*(4*(r%2) + 2*bn + (r%16)//8) gives the natural K order and the activation tile is a
-plain `[BM, 32]` load. Column c of the word tile is (g, j) = (c // NJ, c % NJ) of the tile's
-NJ = BN/16 sub-tiles, i.e. logical column 16j + g + 8bn: each GEMM makes two dots (bn = 0, 1)
-and stores them at those columns. Nibbles become dot operands exactly with the magic-number
-trick (q | 0x4300 is the bf16 128 + q; q | 0x6400 the fp16 1024 + q); the bias is removed
-after the dot as BIAS * rowsum(A), and the step's group scale multiplies the [BM, BN/2] dot.
+nibble i = 4*kodd + 2*bn + bk holds row 2t + kodd + 8bk, column g + 8bn. A K step of BK rows
+loads the word tile as `[BK, BN/2]`, row r reading the word of (kt, t) = (r//16, (r%8)//2)
+(each word is read by 4 rows; the repeats hit L1), so that shifting row r by
+4*(4*(r%2) + 2*bn + (r%16)//8) gives the natural K order and the activation tile is a plain
+`[BM, BK]` load. Column c of the word tile is (g, j) = (c // NJ, c % NJ) of the tile's
+NJ = BN/16 sub-tiles, i.e. logical column 16j + g + 8bn: each GEMM makes two dots (bn = 0,
+1) and stores them at those columns; scales are gathered at Marlin's permuted columns.
+Dequantization, two variants: by default (q - 8) * scale is formed in fp32 with the magic
+number 0x4B000000 (2^23 + q), cast to the activation dtype and accumulated by the dot;
+with `acc_scale` (32-row steps, one group each) the operand is the exact 16-bit 128 + q
+(bf16, q | 0x4300) or 1024 + q (fp16, q | 0x6400), the bias removed after the dot as
+BIAS * rowsum(A) and the group scale applied to the `[BM, BN/2]` product.
+
+Status (H200, docs/notes/moe.md): correct at every point (rel. error 3.8e-3 in bf16) and
+17-190x faster than the torch reference, but only 6-14 % of the copy bandwidth; the tile
+sweep says cost grows with per-CTA tile size (more warps, stages, wider tiles all slower),
+which points at the register-level layout conversions of the dequantized tile, not at
+DRAM. An mma-fragment dequant (inline asm or CUDA) is the known way past it.
 """
 from __future__ import annotations
 
@@ -60,12 +69,13 @@ class MoeTritonConfig:
 
 
 # Tiles by tokens per expert (T*k/E): the first row whose bound is >= it applies.
-# Fields as MoeTritonConfig; split_k is always the heuristic's. Measured on an H200 at the
-# K2.6 TP-8 shard (docs/notes/moe.md).
+# Fields as MoeTritonConfig; split_k is the heuristic's unless a row pins it. Chosen from
+# the tile sweep on an H200 at the K2.6 TP-8 shard (results/h200/moe_tune_call2.csv,
+# docs/notes/moe.md): 64-row K steps won at every T; 4 warps and 3 stages over 8 / 2 / 4.
 TILE_TABLE: list[tuple[float, dict]] = [
-    (16, dict(block_m=16)),
-    (32, dict(block_m=32)),
-    (float("inf"), dict(block_m=64)),
+    (10.7, dict(block_m=16, block_k13=64, block_k2=64)),
+    (42.7, dict(block_m=32, block_k13=64, block_k2=64)),
+    (float("inf"), dict(block_m=64, block_k13=64, block_k2=64)),
 ]
 
 
