@@ -36,8 +36,10 @@ BIAS * rowsum(A) and the group scale applied to the `[BM, BN/2]` product.
 Status (H200, docs/notes/moe.md): correct at every point (rel. error 3.8e-3 in bf16) and
 17-190x faster than the torch reference, but only 6-14 % of the copy bandwidth; the tile
 sweep says cost grows with per-CTA tile size (more warps, stages, wider tiles all slower),
-which points at the register-level layout conversions of the dequantized tile, not at
-DRAM. An mma-fragment dequant (inline asm or CUDA) is the known way past it.
+which points at the layout conversion of the dequantized tile to the dot operand, not at
+DRAM. `join=True` (each word loaded once, nibbles spread with tl.join so each thread holds
+4 consecutive K rows) is the first thing to try; it is tested under the interpreter but
+not yet timed on a GPU. An mma-fragment dequant (inline asm or CUDA) is the known way past.
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ class MoeTritonConfig:
     block_k13: int = 128    # K rows per w13 loop step (a multiple of 32; lowered to divide H)
     block_k2: int = 128     # K rows per w2 loop step (lowered to divide I)
     acc_scale: bool = False  # 32-row steps, exact (q + bias) operands, scales on the products
+    join: bool = False      # load each word once and spread its nibbles with tl.join (untimed)
     split_k: int = 1        # K splits of w13 (fp32 atomics + SiLU in w2's load when > 1)
     atomic_out: bool = False  # w2 adds into an fp32 [T, H] instead of writing [T*k, H] + sum
     num_warps: int = 4
@@ -224,19 +227,36 @@ def _dot(a, b, KIND: tl.constexpr):
 
 
 @triton.jit
+def _join_nibbles(w, BN_SHIFT: tl.constexpr, BK: tl.constexpr, C: tl.constexpr):
+    """Words `[BK/4, C]` (row = 4kt + t) -> nibbles `[BK, C]`, row 16kt + 4t + 2bk + kodd."""
+    n00 = (w >> BN_SHIFT) & 0xF                                      # kodd 0, bk 0
+    n01 = (w >> (BN_SHIFT + 4)) & 0xF                                # kodd 0, bk 1
+    n10 = (w >> (BN_SHIFT + 16)) & 0xF                               # kodd 1, bk 0
+    n11 = (w >> (BN_SHIFT + 20)) & 0xF                               # kodd 1, bk 1
+    q = tl.join(tl.join(n00, n10), tl.join(n01, n11))                # [BK/4, C, kodd, bk]
+    return tl.reshape(tl.permute(q, (0, 3, 2, 1)), (BK, C))          # [BK/4, bk, kodd, C] -> [BK, C]
+
+
+@triton.jit
 def _int4_step(a, acc0, acc1, w_ptrs, s_base, k0, stride_sg, GROUP, shift, n_lo,
                BK: tl.constexpr, C: tl.constexpr, ACC_SCALE: tl.constexpr,
-               KIND: tl.constexpr, BIAS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+               KIND: tl.constexpr, BIAS: tl.constexpr, PER_CHANNEL: tl.constexpr, JOIN: tl.constexpr):
     """One BK-row K step of one tile: acc0/acc1 `[BM, C]` (logical columns n_lo, n_lo + 8)
     += a `[BM, BK]` x the dequantized int4 words `[BK, C]` (row r shifted by shift[r]).
 
     ACC_SCALE (BK == 32, one group): exact (q + bias) operands, the bias removed as
     BIAS * rowsum(a) and the group scale applied to the `[BM, C]` product. Otherwise
     (any BK): (q - 8) * scale formed in fp32, cast to a's dtype and accumulated by the dot.
+    JOIN: each word loaded once (`[BK/4, C]`) and its nibbles spread over 4 rows with
+    tl.join (K rows in the order `_k_order` gives, which the caller's A load follows).
     """
-    w = tl.load(w_ptrs)                                              # [BK, C] int32
-    q0 = (w >> shift[:, None]) & 0xF
-    q1 = (w >> (shift[:, None] + 8)) & 0xF
+    w = tl.load(w_ptrs)                                              # [BK, C] or [BK/4, C] int32
+    if JOIN:
+        q0 = _join_nibbles(w, 0, BK, C)
+        q1 = _join_nibbles(w, 8, BK, C)
+    else:
+        q0 = (w >> shift[:, None]) & 0xF
+        q1 = (w >> (shift[:, None] + 8)) & 0xF
     sc0 = _scale_col(n_lo, PER_CHANNEL)
     sc1 = _scale_col(n_lo + 8, PER_CHANNEL)
     if ACC_SCALE:
@@ -298,6 +318,7 @@ def _w13_kernel(
     I, TOP_K, GROUP, K_STEPS, STEPS_PER_SPLIT,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, ACC_SCALE: tl.constexpr,
+    JOIN: tl.constexpr,
     VEC_G: tl.constexpr, VEC_U: tl.constexpr, KIND: tl.constexpr, BIAS: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
 ):
@@ -309,7 +330,13 @@ def _w13_kernel(
     a_rows = x_ptr + (assign // TOP_K).to(tl.int64) * stride_x      # [BM]
     r = tl.arange(0, BK)
     shift = 16 * (r % 2) + 4 * ((r % 16) // 8)                      # nibble of row r (bn = 0)
-    wrow = (r // 16) * stride_wk + ((r % 8) // 2) * 4               # word of row r (kt, t)
+    if JOIN:  # one row per word (kt, t); B rows come out as 16kt + 4t + 2bk + kodd
+        rw = tl.arange(0, BK // 4)
+        wrow = (rw // 4) * stride_wk + (rw % 4) * 4
+        kcol = (r // 16) * 16 + ((r // 2) % 2) * 8 + ((r // 4) % 4) * 2 + r % 2
+    else:     # row r reads the word of (kt, t) = (r // 16, (r % 8) // 2): natural K order
+        wrow = (r // 16) * stride_wk + ((r % 8) // 2) * 4
+        kcol = r
     n0 = pid_n * BN
     wcol_g, n_g = _tile_cols(n0, BN, VEC_G)
     wcol_u, n_u = _tile_cols(n0 + I, BN, VEC_U)
@@ -323,12 +350,12 @@ def _w13_kernel(
     k_last = tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT)
     for ks in range(k_first, k_last):
         k0 = ks * BK
-        a = _cast(tl.load(a_rows[:, None] + (k0 + r)[None, :], mask=valid[:, None], other=0.0), KIND)
+        a = _cast(tl.load(a_rows[:, None] + (k0 + kcol)[None, :], mask=valid[:, None], other=0.0), KIND)
         w_k = w_e + (k0 // 16) * stride_wk + wrow[:, None]          # [BK, 1]
         g0, g1 = _int4_step(a, g0, g1, w_k + wcol_g[None, :], s_e, k0, stride_sg, GROUP, shift, n_g,
-                            BK, BN // 2, ACC_SCALE, KIND, BIAS, PER_CHANNEL)
+                            BK, BN // 2, ACC_SCALE, KIND, BIAS, PER_CHANNEL, JOIN)
         u0, u1 = _int4_step(a, u0, u1, w_k + wcol_u[None, :], s_e, k0, stride_sg, GROUP, shift, n_u,
-                            BK, BN // 2, ACC_SCALE, KIND, BIAS, PER_CHANNEL)
+                            BK, BN // 2, ACC_SCALE, KIND, BIAS, PER_CHANNEL, JOIN)
     rows = out_ptr + assign.to(tl.int64)[:, None] * stride_o
     if not SPLIT:  # SiLU(gate) * up, stored at logical columns n_g, n_g + 8
         act0 = g0 / (1.0 + tl.exp(-g0)) * u0
@@ -355,7 +382,7 @@ def _w2_kernel(
     # sizes
     I, TOP_K, GROUP, K_STEPS,
     # meta
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC_SCALE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC_SCALE: tl.constexpr, JOIN: tl.constexpr,
     GATED: tl.constexpr, ATOMIC: tl.constexpr,
     VEC: tl.constexpr, KIND: tl.constexpr, BIAS: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
@@ -365,8 +392,14 @@ def _w2_kernel(
     pid_n = tl.program_id(1)
     a_rows = a_ptr + assign.to(tl.int64) * stride_a                 # [BM]
     r = tl.arange(0, BK)
-    shift = 16 * (r % 2) + 4 * ((r % 16) // 8)
-    wrow = (r // 16) * stride_wk + ((r % 8) // 2) * 4
+    shift = 16 * (r % 2) + 4 * ((r % 16) // 8)                      # nibble of row r (bn = 0)
+    if JOIN:  # one row per word (kt, t); B rows come out as 16kt + 4t + 2bk + kodd
+        rw = tl.arange(0, BK // 4)
+        wrow = (rw // 4) * stride_wk + (rw % 4) * 4
+        kcol = (r // 16) * 16 + ((r // 2) % 2) * 8 + ((r // 4) % 4) * 2 + r % 2
+    else:     # row r reads the word of (kt, t) = (r // 16, (r % 8) // 2): natural K order
+        wrow = (r // 16) * stride_wk + ((r % 8) // 2) * 4
+        kcol = r
     wcol, n_lo = _tile_cols(pid_n * BN, BN, VEC)
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se
@@ -374,7 +407,7 @@ def _w2_kernel(
     acc1 = tl.zeros((BM, BN // 2), tl.float32)
     for ks in range(0, K_STEPS):
         k0 = ks * BK
-        a_ptrs = a_rows[:, None] + (k0 + r)[None, :]
+        a_ptrs = a_rows[:, None] + (k0 + kcol)[None, :]
         if GATED:  # SiLU(gate) * up from w13's fp32 split-K sums
             gate = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
             up = tl.load(a_ptrs + I, mask=valid[:, None], other=0.0)
@@ -383,7 +416,7 @@ def _w2_kernel(
             a = _cast(tl.load(a_ptrs, mask=valid[:, None], other=0.0), KIND)
         w_k = w_e + (k0 // 16) * stride_wk + wrow[:, None]
         acc0, acc1 = _int4_step(a, acc0, acc1, w_k + wcol[None, :], s_e, k0, stride_sg, GROUP, shift, n_lo,
-                                BK, BN // 2, ACC_SCALE, KIND, BIAS, PER_CHANNEL)
+                                BK, BN // 2, ACC_SCALE, KIND, BIAS, PER_CHANNEL, JOIN)
     wt = tl.load(topk_w_ptr + assign, mask=valid, other=0.0).to(tl.float32)[:, None]
     if ATOMIC:
         rows = out_ptr + (assign // TOP_K).to(tl.int64)[:, None] * stride_o
@@ -477,7 +510,7 @@ def triton_w13(x: torch.Tensor, routing: tuple, top_k: int, w, cfg: MoeTritonCon
         x, w13, s13, *routing, mid,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), mid.stride(0),
         i, top_k, w.group_size, k_steps, per_split,
-        BM=cfg.block_m, BN=cfg.block_n13, BK=bk, SPLIT=split > 1, ACC_SCALE=cfg.acc_scale,
+        BM=cfg.block_m, BN=cfg.block_n13, BK=bk, SPLIT=split > 1, ACC_SCALE=cfg.acc_scale, JOIN=cfg.join,
         VEC_G=_vec(cfg.block_n13, cfg.block_n13), VEC_U=_vec(i, cfg.block_n13),
         PER_CHANNEL=h == w.group_size, **_meta(x.dtype, cfg))
     return mid
@@ -502,7 +535,8 @@ def triton_w2(mid: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w,
         mid, w2, s2, *routing, tw, y,
         mid.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         i, k, w.group_size, i // bk,
-        BM=cfg.block_m, BN=cfg.block_n2, BK=bk, ACC_SCALE=cfg.acc_scale, GATED=gated, ATOMIC=cfg.atomic_out,
+        BM=cfg.block_m, BN=cfg.block_n2, BK=bk, ACC_SCALE=cfg.acc_scale, JOIN=cfg.join,
+        GATED=gated, ATOMIC=cfg.atomic_out,
         VEC=_vec(cfg.block_n2, cfg.block_n2), PER_CHANNEL=i == w.group_size, **_meta(dtype, cfg))
     if cfg.atomic_out:
         return y.to(dtype)

@@ -41,6 +41,8 @@ def test_triton_matches_reference(tp, tokens, routing, dtype):
     MoeTritonConfig(block_m=16, block_n13=32, block_n2=128, atomic_out=True),  # sum over k by atomics
     MoeTritonConfig(block_m=16, block_n13=32, block_n2=64, acc_scale=True),    # 32-row steps, scales on products
     MoeTritonConfig(block_m=16, block_n13=32, block_n2=64, block_k13=64, block_k2=256),
+    MoeTritonConfig(block_m=16, block_n13=32, block_n2=64, block_k13=128, join=True),  # words loaded once
+    MoeTritonConfig(block_m=16, block_n13=32, block_n2=64, join=True, acc_scale=True, split_k=2),
 ])
 def test_triton_config_variants(mcfg):
     cfg, w = tiny_weights(8, seed=3)
@@ -97,6 +99,17 @@ def test_triton_bf16_k26_shapes(tp, tokens):
     ids, tw = synthetic_routing("uniform", tokens, n_exp, cfg.top_k, device="cuda", seed=1)
     ref = fused_moe_ref(x.float(), ids, tw, w)
     assert rel_err(fused_moe_triton(x, ids, tw, w), ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change", [dict(join=True), dict(acc_scale=True), dict(atomic_out=True), dict(split_k=4)])
+def test_triton_bf16_variants(change):
+    cfg = preset("k2.6", tp=8)
+    w = random_marlin_moe(32, cfg.hidden, cfg.moe_inter_local, cfg.group_size, cfg.top_k, device="cuda")
+    x = torch.randn(20, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    ids, tw = synthetic_routing("skewed", 20, 32, cfg.top_k, device="cuda", seed=3)
+    mcfg = MoeTritonConfig(block_m=16, block_k13=64, block_k2=64, **change)
+    assert rel_err(fused_moe_triton(x, ids, tw, w, mcfg), fused_moe_ref(x.float(), ids, tw, w)) < 1e-2
 
 
 @pytest.mark.gpu

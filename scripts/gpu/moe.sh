@@ -2,7 +2,7 @@
 # INT4 MoE GEMM on one H200: GPU tests of the Triton kernel, then `ddbench moe-sweep` at the
 # K2.6 TP-8 rank shard and the whole layer (TP-1), torch reference and triton, with --check.
 # Writes results/h200/moe_sweep_tp8.csv and moe_sweep_tp1.csv (+ .json sidecars), copies and
-# logs to $OUT if set. Expected runtime: about 2.5-3 minutes (measured 2026-12-02: ~95 s for
+# logs to $OUT if set. Expected runtime: about 3-3.5 minutes (measured 2026-12-02: ~95 s for
 # both sweeps with warm kernel caches, plus tests and compiles; most of it the slow torch
 # reference and the fp32 checks). MOE_TILES=file.json passes a tile table (--tiles).
 cd "$(dirname "$0")/../.." || exit 1
@@ -33,6 +33,12 @@ sweep() {  # $1 = tp, rest = extra args
 }
 sweep 8
 sweep 1 --torch-max-tokens 64 --tokens 1,4,16,64,256,1024,4096
+
+# quick look at the untimed tl.join variant against the built-in tiles (about 40 s)
+MOE_TUNE_TOKENS=16,256 MOE_TUNE_VARIANTS=base,acc32,join64,join128 timeout 90 \
+  python3 scripts/gpu/moe_tune.py "$LOG" > "$LOG/moe_tune_quick.log" 2>&1 || echo "FAILED step: moe tune (quick)"
+tail -4 "$LOG/moe_tune_quick.log"
+[ -f "$LOG/moe_tune.csv" ] && cp "$LOG/moe_tune.csv" "$R/moe_tune_quick.csv"
 
 python3 - <<'PY' || echo "FAILED step: moe summary"
 import pandas as pd

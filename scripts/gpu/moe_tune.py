@@ -40,7 +40,7 @@ read_gbps = f32.numel() * 4 / (rd.median_us * 1e-6) / 1e9
 print(f"copy {copy:.0f} GB/s  read(sum fp32) {read_gbps:.0f} GB/s  bf16 gemm {tf:.0f} TFLOP/s", flush=True)
 
 COMMON = {
-    "base": {},
+    "base": {},   # the built-in TILE_TABLE (BLOCK_K 128 in call 2, 64 since)
     "k64": dict(block_k13=64, block_k2=64),
     "k256": dict(block_k13=256, block_k2=256),
     "n2_128": dict(block_n2=128),
@@ -50,12 +50,18 @@ COMMON = {
     "s2": dict(num_stages=2),
     "s4": dict(num_stages=4),
     "acc32": dict(acc_scale=True),   # the 32-row path (first version)
+    "join64": dict(join=True, block_k13=64, block_k2=64),   # words loaded once, tl.join expansion
+    "join128": dict(join=True),
 }
 BM_ALT = {1: [], 16: [], 256: [32], 1024: [16, 64], 4096: [32, 128]}
+# optional narrowing (used by scripts/gpu/moe.sh for a quick look): comma lists
+if os.environ.get("MOE_TUNE_VARIANTS"):
+    COMMON = {k: v for k, v in COMMON.items() if k in os.environ["MOE_TUNE_VARIANTS"].split(",")}
+TOKENS = [int(t) for t in os.environ.get("MOE_TUNE_TOKENS", "1,16,256,1024,4096").split(",")]
 rows = []
 ROT = 10
 BUDGET_S = float(os.environ.get("MOE_TUNE_BUDGET_S", "95"))
-for T in [1, 16, 256, 1024, 4096]:
+for T in TOKENS:
     if time.time() - t0 > BUDGET_S:
         print(f"time budget {BUDGET_S:.0f} s spent: stopping before T={T}", flush=True)
         break
@@ -67,7 +73,7 @@ for T in [1, 16, 256, 1024, 4096]:
     ref = fused_moe_ref(xs[0].float(), *rts[0], w)
     heur = default_config(T, K, E, I, H, SMS)
     variants = {n: replace(heur, **ch) for n, ch in COMMON.items()}
-    for bm in BM_ALT[T]:
+    for bm in BM_ALT.get(T, []) if not os.environ.get("MOE_TUNE_VARIANTS") else []:
         variants[f"m{bm}"] = replace(default_config(T, K, E, I, H, SMS, [(math.inf, dict(block_m=bm))]))
     for name, mc in variants.items():
         try:
