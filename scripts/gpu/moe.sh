@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # INT4 MoE GEMM on one H200: GPU tests of the Triton kernel, then `ddbench moe-sweep` at the
 # K2.6 TP-8 rank shard and the whole layer (TP-1), torch reference and triton, with --check.
-# Writes results/h200/moe_sweep_tp8.csv and moe_sweep_tp1.csv (+ .json sidecars), copies and
-# logs to $OUT if set. Expected runtime: about 3-3.5 minutes (measured 2026-12-02: ~95 s for
+# Writes results/h200/moe_sweep_tp8.csv, moe_sweep_tp1.csv, moe_sweep_tp8_routings.csv (+ .json
+# sidecars) and moe_tune_quick.csv, copies and
+# logs to $OUT if set. Expected runtime: about 3.5-4 minutes (measured 2026-12-02: ~95 s for
 # both sweeps with warm kernel caches, plus tests and compiles; most of it the slow torch
 # reference and the fp32 checks). MOE_TILES=file.json passes a tile table (--tiles).
 cd "$(dirname "$0")/../.." || exit 1
@@ -33,6 +34,16 @@ sweep() {  # $1 = tp, rest = extra args
 }
 sweep 8
 sweep 1 --torch-max-tokens 64 --tokens 1,4,16,64,256,1024,4096
+
+# routings other than uniform (triton only, TP-8): experts touched and time per routing (about 30 s)
+sweep_r() {
+  timeout 90 python3 -m ddbench moe-sweep --preset k2.6 --tp 8 --backends triton --reps 10 \
+    --routing skewed,balanced,router --tokens 1,16,64,256,1024 --out "$DST" --name moe_sweep_tp8_routings \
+    > "$LOG/moe_sweep_tp8_routings.log" 2>&1 || echo "FAILED step: moe-sweep routings"
+  for f in "$DST"/moe_sweep_tp8_routings.csv "$DST"/moe_sweep_tp8_routings.json; do [ -f "$f" ] && cp "$f" "$R/"; done
+}
+rm -f "$DST"/moe_sweep_tp8_routings.csv "$DST"/moe_sweep_tp8_routings.json
+sweep_r
 
 # quick look at the untimed tl.join variant against the built-in tiles (about 40 s)
 MOE_TUNE_TOKENS=16,256 MOE_TUNE_VARIANTS=base,acc32,join64,join128 timeout 90 \
