@@ -27,15 +27,15 @@ COMMON="--preset k2.6 --tp 8 --simulate-rank 0 --acceptance $ACC --prompt-len ${
 COMMON="$COMMON --new-tokens ${E2E_NEW_TOKENS:-64} --out $RES"
 
 echo "== GPU tests: DDTree loop (tiny) ==" | tee "$LOG"
-timeout -s INT 75 $PY -m pytest -q -m gpu tests/test_spec_gpu.py 2>&1 | tail -20 | tee -a "$LOG" \
+timeout -k 10 -s INT 75 $PY -m pytest -q -m gpu tests/test_spec_gpu.py 2>&1 | tail -20 | tee -a "$LOG" \
   || echo "FAILED step: gpu tests (tests/test_spec_gpu.py)" | tee -a "$LOG"
 
 echo "== e2e c=1 ==" | tee -a "$LOG"
-timeout -s INT 110 $PY -m ddbench e2e $COMMON --concurrency 1 --budget "${E2E_C1_BUDGETS:-8,16,32,64,128,256}" \
+timeout -k 10 -s INT 110 $PY -m ddbench e2e $COMMON --concurrency 1 --budget "${E2E_C1_BUDGETS:-8,16,32,64,128,256}" \
   --name "e2e_c1_$STAMP" 2>&1 | tail -30 | tee -a "$LOG" || echo "FAILED step: e2e c=1" | tee -a "$LOG"
 
 echo "== e2e c=10 ==" | tee -a "$LOG"
-timeout -s INT 115 $PY -m ddbench e2e $COMMON --concurrency 10 --budget "${E2E_C10_BUDGETS:-8,16,32,64,128,256}" \
+timeout -k 10 -s INT 115 $PY -m ddbench e2e $COMMON --concurrency 10 --budget "${E2E_C10_BUDGETS:-8,16,32,64,128,256}" \
   --name "e2e_c10_$STAMP" 2>&1 | tail -30 | tee -a "$LOG" || echo "FAILED step: e2e c=10" | tee -a "$LOG"
 
 echo "== summary (issue 10 targets at TAU=6: c=1 >= 700 tok/s, c=10 >= 2000 tok/s, step <= 1.3x floor+comm) ==" \
