@@ -64,7 +64,7 @@ class MoeTritonConfig:
     block_k13: int = 128    # K rows per w13 loop step (a multiple of 32; lowered to divide H)
     block_k2: int = 128     # K rows per w2 loop step (lowered to divide I)
     acc_scale: bool = False  # 32-row steps, exact (q + bias) operands, scales on the products
-    join: bool = False      # load each word once and spread its nibbles with tl.join (untimed)
+    join: bool = False      # load each word once and spread its nibbles with tl.join
     split_k: int = 1        # K splits of w13 (fp32 atomics + SiLU in w2's load when > 1)
     atomic_out: bool = False  # w2 adds into an fp32 [T, H] instead of writing [T*k, H] + sum
     num_warps: int = 4
@@ -75,10 +75,13 @@ class MoeTritonConfig:
 # Fields as MoeTritonConfig; split_k is the heuristic's unless a row pins it. Chosen from
 # the tile sweep on an H200 at the K2.6 TP-8 shard (results/h200/moe_tune_call2.csv,
 # docs/notes/moe.md): 64-row K steps won at every T; 4 warps and 3 stages over 8 / 2 / 4.
+# `join` (each word loaded once) then halved the time at T <= 512 (block_m 16) and won
+# slightly at T = 4096, but lost at T = 1024-2048 with block_m 32 (3891 vs 3366 us,
+# 7480 vs 6563 us): results/h200/moe_sweep_tp8_join.csv against moe_sweep_tp8.csv.
 TILE_TABLE: list[tuple[float, dict]] = [
-    (10.7, dict(block_m=16, block_k13=64, block_k2=64)),
+    (10.7, dict(block_m=16, block_k13=64, block_k2=64, join=True)),
     (42.7, dict(block_m=32, block_k13=64, block_k2=64)),
-    (float("inf"), dict(block_m=64, block_k13=64, block_k2=64)),
+    (float("inf"), dict(block_m=64, block_k13=64, block_k2=64, join=True)),
 ]
 
 
