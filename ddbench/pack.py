@@ -18,6 +18,7 @@ from rich.progress import Progress
 from ddbench import UserError
 from ddbench.results import atomic_write_text, ensure_out_dir, run_metadata, timestamp
 from engine.config import ModelConfig, parse_overrides, preset as make_preset
+from engine.weights import residual_gain
 from kernels import ctensors, marlin, quant
 
 EXPERT_CHUNK = 16
@@ -48,15 +49,15 @@ def random_experts(cfg: ModelConfig, layer: int, experts: range, seed: int, devi
     """Full (unsharded) logical experts for `experts` of `layer`: q uint8 and bf16 scales.
 
     Each linear's scales give its dequantized weight std 1/sqrt(fan_in) (see
-    `kernels.quant.random_int4`); down_proj gets an extra 1/sqrt(top_k) so the sum over
-    the routed experts keeps the residual stream's scale. Reproducible per (seed, layer,
+    `kernels.quant.random_int4`); down_proj writes into the residual stream and takes the
+    engine's residual gain (`engine.weights.residual_gain`). Reproducible per (seed, layer,
     expert chunk) on one kind of device.
     """
     g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer * 4099 + experts.start)
     e, h, i = len(experts), cfg.hidden, cfg.moe_inter
     out = {}
     for name, shape, gain in [("gate_proj", (e, i, h), 1.0), ("up_proj", (e, i, h), 1.0),
-                              ("down_proj", (e, h, i), cfg.top_k ** -0.5)]:
+                              ("down_proj", (e, h, i), residual_gain(cfg))]:
         out[name] = quant.random_int4(shape, cfg.group_size, gain=gain, generator=g, device=device)
     return out
 

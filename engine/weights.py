@@ -31,7 +31,7 @@ Scales (why logits stay finite and O(1) through 61 layers):
   of unit variance, so the residual RMS ends near 1.5 at any depth instead of growing
   with it (measured on `tiny` with 61 layers, both modes, two seeds: 1.0 after block 0,
   1.4-1.5 after block 60, logits std 1.0; tests/test_engine.py checks it);
-- routed experts: INT4 values uniform in -7..7 (zero mean, see `random_int4_sym`) with
+- routed experts: INT4 values uniform in -7..7 (zero mean, see `kernels.quant.random_int4`) with
   group-32 bf16 scales for the same std; the router's renormalised top-k weights
   sum to routed_scaling (2.827), whose squares sum to about 1, so the routed sum has
   about one expert's variance; the router gate (std 1/sqrt(H)) gives unit-variance gate
@@ -46,7 +46,7 @@ import zlib
 import torch
 
 from engine.config import ModelConfig
-from kernels import marlin
+from kernels import marlin, quant
 
 EXPERT_CHUNK = 16          # experts per generator seed in "exact" mode (also the writer)
 SHARD_EXPERT_CHUNK = 64    # experts per step in "shard" mode (bounds temporary memory)
@@ -109,24 +109,6 @@ def expert_chunks(cfg: ModelConfig, size: int = EXPERT_CHUNK) -> list[range]:
 
 
 # std of a uniform draw from the symmetric signed int4 values -7..7
-INT4_SYM_STD = math.sqrt((15 ** 2 - 1) / 12)
-
-
-def random_int4_sym(shape, group_size: int, fan_in: int, gain: float = 1.0, generator=None, device=None):
-    """Random INT4 weight `[..., out, in]` with zero mean: stored nibbles uniform in 1..15
-    (signed -7..7; -8 left out), group scales for std gain/sqrt(fan_in), +-25% per group.
-
-    (`kernels.quant.random_int4` draws 0..15, i.e. signed -8..7 with mean -0.5 step: a
-    common-mode offset that every expert adds along the same direction, so through 60
-    MoE layers the residual stream grows linearly with depth. Zero-mean codes avoid it.)
-    """
-    *lead, out_f, in_f = shape
-    q = torch.randint(1, 16, tuple(shape), dtype=torch.uint8, generator=generator, device=device)
-    base = gain / (INT4_SYM_STD * math.sqrt(fan_in))
-    jitter = torch.rand((*lead, out_f, in_f // group_size), generator=generator, device=device)
-    return q, (base * (0.75 + 0.5 * jitter)).to(torch.bfloat16)
-
-
 def random_experts_full(cfg: ModelConfig, layer: int, experts: range, seed: int) -> dict:
     """Full logical experts `experts` of `layer` on the CPU: name -> (q uint8 `[e, out, in]`,
     scale bf16 `[e, out, in/g]`), seeded per (seed, layer, chunk start)."""
@@ -134,7 +116,7 @@ def random_experts_full(cfg: ModelConfig, layer: int, experts: range, seed: int)
     e, h, i = len(experts), cfg.hidden, cfg.moe_inter
     shapes = {"gate_proj": ((e, i, h), 1.0), "up_proj": ((e, i, h), 1.0),
               "down_proj": ((e, h, i), residual_gain(cfg))}
-    return {n: random_int4_sym(s, cfg.group_size, s[-1], gain, generator=g) for n, (s, gain) in shapes.items()}
+    return {n: quant.random_int4(s, cfg.group_size, gain=gain, generator=g) for n, (s, gain) in shapes.items()}
 
 
 def random_experts_shard(cfg: ModelConfig, layer: int, experts: range, seed: int, device) -> dict:
@@ -143,7 +125,7 @@ def random_experts_shard(cfg: ModelConfig, layer: int, experts: range, seed: int
     e, h, i = len(experts), cfg.hidden, cfg.moe_inter_local
     shapes = {"gate_proj": ((e, i, h), h, 1.0), "up_proj": ((e, i, h), h, 1.0),
               "down_proj": ((e, h, i), cfg.moe_inter, residual_gain(cfg))}
-    return {n: random_int4_sym(s, cfg.group_size, fan_in, gain, generator=g, device=device)
+    return {n: quant.random_int4(s, cfg.group_size, fan_in, gain, generator=g, device=device)
             for n, (s, fan_in, gain) in shapes.items()}
 
 

@@ -10,8 +10,8 @@ import math
 import torch
 
 INT4_OFFSET = 8
-# std of a uniform draw from the signed int4 values -8..7
-INT4_UNIFORM_STD = math.sqrt((16 ** 2 - 1) / 12)
+# std of a uniform draw from the signed int4 values -7..7
+INT4_UNIFORM_STD = math.sqrt((15 ** 2 - 1) / 12)
 
 
 def quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,15 +36,18 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> tor
 
 def random_int4(shape, group_size: int = 32, fan_in: int | None = None, gain: float = 1.0,
                 generator: torch.Generator | None = None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random-but-valid INT4 weight `[..., out, in]`: uniform nibbles and per-group scales.
+    """Random-but-valid INT4 weight `[..., out, in]`: zero-mean nibbles and per-group scales.
 
-    Scales are drawn so the dequantized weight has std about gain/sqrt(fan_in) (fan_in
-    defaults to `in`), which keeps a linear layer's output variance equal to its input's;
-    each group's scale varies by a factor in [0.75, 1.25] so scale handling is exercised.
+    Stored nibbles are uniform in 1..15 (signed -7..7): -8 is left out so the codes have zero
+    mean. A -8..7 draw has a -0.5-step mean that every expert adds along the same direction,
+    which grew the residual stream linearly with depth (16-50x its RMS after 61 layers).
+    Scales give the dequantized weight std about gain/sqrt(fan_in) (fan_in defaults to `in`),
+    which keeps a linear layer's output variance equal to its input's; each group's scale
+    varies by a factor in [0.75, 1.25] so scale handling is exercised.
     """
     *lead, out_f, in_f = shape
     fan_in = fan_in or in_f
-    q = torch.randint(0, 16, tuple(shape), dtype=torch.uint8, generator=generator, device=device)
+    q = torch.randint(1, 16, tuple(shape), dtype=torch.uint8, generator=generator, device=device)
     base = gain / (INT4_UNIFORM_STD * math.sqrt(fan_in))
     jitter = torch.rand((*lead, out_f, in_f // group_size), generator=generator, device=device)
     scale = (base * (0.75 + 0.5 * jitter)).to(torch.bfloat16)
