@@ -18,8 +18,6 @@ must read / the measured device copy bandwidth.
 """
 from __future__ import annotations
 
-import os
-import socket
 import time
 from pathlib import Path
 
@@ -125,87 +123,27 @@ def check_fits(cfg, device: torch.device, n_streams: int, max_len: int) -> int:
     return need
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_worker(rank: int, tp: int, port: int, queue, kw: dict) -> None:
-    """One process of a real TP run: NCCL on its GPU or gloo on the CPU; rank 0 reports rows."""
-    import datetime
-
-    import torch.distributed as dist
-
+def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
+    """One process of a real TP run (see `ddbench.ranks`); rank 0 reports rows."""
+    from ddbench.ranks import init_rank
     from engine.config import preset as make_preset
     from engine.parallel import DistComm
 
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cuda = kw["device"] == "cuda"
-        if cuda:
-            torch.cuda.set_device(rank)
-        else:
-            torch.set_num_threads(1)
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp,
-                                timeout=datetime.timedelta(seconds=120))
-        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-        if kw["checkpoint"] is not None:
-            from engine.checkpoint import read_config
-            cfg = read_config(kw["checkpoint"], tp, rank)
-        else:
-            cfg = make_preset(kw["preset"], tp=tp, rank=rank, **kw["overrides"])
-        model, init = build_model(cfg, DistComm(), kw["checkpoint"], kw["moe"], kw["attn"], kw["seed"],
-                                  device, kw["init"])
-        copy_bw = None
-        if cuda:
-            from ddbench.timing import copy_bandwidth_gbps
-            copy_bw = copy_bandwidth_gbps(device)
-        base = {**kw["base"], "init": init}
-        measure_rows(model, kw["concurrency"], kw["prompt_len"], kw["new_tokens"], kw["seed"], kw["graph"],
-                     copy_bw, base, (lambda row: queue.put(("row", row))) if rank == 0 else (lambda row: None))
-        dist.barrier()
-        dist.destroy_process_group()
-        queue.put(("done", rank))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails loudly
-        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
-        raise SystemExit(1)
-
-
-def _run_distributed(tp: int, kw: dict, writer, progress, task) -> None:
-    import multiprocessing as mp
-    import queue as queue_mod
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_worker, args=(r, tp, port, q, kw), daemon=True) for r in range(tp)]
-    for p in procs:
-        p.start()
-    done, error = set(), None
-    try:
-        while len(done) < tp and error is None:
-            try:
-                kind, msg = q.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    error = f"rank process exited with code {dead[0].exitcode}"
-                continue
-            if kind == "row":
-                writer.write(msg)
-                progress.advance(task)
-            elif kind == "done":
-                done.add(msg)
-            else:
-                error = msg
-    finally:
-        for p in procs:
-            p.join(timeout=5 if error is None else 1)
-            if p.is_alive():
-                p.terminate()
-    if error:
-        raise RuntimeError(f"tensor-parallel decode failed: {error}")
+    device = init_rank(rank, tp, port, kw["device"], 120)
+    if kw["checkpoint"] is not None:
+        from engine.checkpoint import read_config
+        cfg = read_config(kw["checkpoint"], tp, rank)
+    else:
+        cfg = make_preset(kw["preset"], tp=tp, rank=rank, **kw["overrides"])
+    model, init = build_model(cfg, DistComm(), kw["checkpoint"], kw["moe"], kw["attn"], kw["seed"],
+                              device, kw["init"])
+    copy_bw = None
+    if device.type == "cuda":
+        from ddbench.timing import copy_bandwidth_gbps
+        copy_bw = copy_bandwidth_gbps(device)
+    base = {**kw["base"], "init": init}
+    measure_rows(model, kw["concurrency"], kw["prompt_len"], kw["new_tokens"], kw["seed"], kw["graph"],
+                 copy_bw, base, report)
 
 
 def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | None, concurrency: list[int],
@@ -276,7 +214,12 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
             kw = dict(device=device.type, preset=preset, overrides=overrides, checkpoint=checkpoint, moe=moe,
                       attn=attn, seed=seed, init=init, concurrency=concurrency, prompt_len=prompt_len,
                       new_tokens=new_tokens, graph=graph, base=base)
-            _run_distributed(tp, kw, writer, progress, task)
+            from ddbench.ranks import run_ranks
+
+            def on_row(row):
+                writer.write(row)
+                progress.advance(task)
+            run_ranks(_rank_worker, tp, kw, on_row, "decode")
         else:
             from engine.parallel import LocalComm, SimComm
 

@@ -214,82 +214,23 @@ def build_engine(cfg, comm, checkpoint, moe: str, attn: str, seed: int, device, 
     return model, drafter, used
 
 
-def _rank_worker(rank: int, tp: int, port: int, queue, kw: dict) -> None:
-    """One process of a real TP run (NCCL on GPU `rank`, or gloo on the CPU); every rank
-    runs the same sequence (same seeds, so the same prompts, draws and decisions) and
-    rank 0 reports the rows."""
-    import datetime
-    import os
-
-    import torch.distributed as dist
-
+def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
+    """One process of a real TP run (see `ddbench.ranks`); every rank runs the same sequence
+    (same seeds, so the same prompts, draws and decisions) and rank 0 reports the rows."""
+    from ddbench.ranks import init_rank
     from engine.parallel import DistComm
 
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cuda = kw["device"] == "cuda"
-        if cuda:
-            torch.cuda.set_device(rank)
-        else:
-            torch.set_num_threads(1)
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp,
-                                timeout=datetime.timedelta(seconds=300))
-        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-        cfg = _config(kw["preset"], kw["checkpoint"], tp, rank, kw["overrides"])
-        model, drafter, used = build_engine(cfg, DistComm(), kw["checkpoint"], kw["moe"], kw["attn"], kw["seed"],
-                                            device, kw["init"])
-        copy_bw = None
-        if cuda:
-            from ddbench.timing import copy_bandwidth_gbps
-            copy_bw = copy_bandwidth_gbps(device)
-        report = (lambda row: queue.put(("row", row))) if rank == 0 else (lambda row: None)
-        for c in kw["concurrency"]:
-            run_concurrency(model, drafter, c, kw["budgets"], kw["accs"], kw["lens"], kw["new_tokens"], kw["topk"],
-                            kw["graph"], copy_bw, {**kw["base"], "init": used}, kw["seed"], report)
-        dist.barrier()
-        dist.destroy_process_group()
-        queue.put(("done", rank))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails loudly
-        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
-        raise SystemExit(1)
-
-
-def _run_distributed(tp: int, kw: dict, on_row) -> None:
-    """Start `tp` rank processes, hand rank 0's rows to `on_row`, fail loudly on any error."""
-    import multiprocessing as mp
-    import queue as queue_mod
-
-    from ddbench.decode import _free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_worker, args=(r, tp, port, q, kw), daemon=True) for r in range(tp)]
-    for p in procs:
-        p.start()
-    done, error = set(), None
-    try:
-        while len(done) < tp and error is None:
-            try:
-                kind, msg = q.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    error = f"rank process exited with code {dead[0].exitcode}"
-                continue
-            if kind == "row":
-                on_row(msg)
-            elif kind == "done":
-                done.add(msg)
-            else:
-                error = msg
-    finally:
-        for p in procs:
-            p.join(timeout=5 if error is None else 1)
-            if p.is_alive():
-                p.terminate()
-    if error:
-        raise RuntimeError(f"tensor-parallel e2e failed: {error}")
+    device = init_rank(rank, tp, port, kw["device"], 300)
+    cfg = _config(kw["preset"], kw["checkpoint"], tp, rank, kw["overrides"])
+    model, drafter, used = build_engine(cfg, DistComm(), kw["checkpoint"], kw["moe"], kw["attn"], kw["seed"],
+                                        device, kw["init"])
+    copy_bw = None
+    if device.type == "cuda":
+        from ddbench.timing import copy_bandwidth_gbps
+        copy_bw = copy_bandwidth_gbps(device)
+    for c in kw["concurrency"]:
+        run_concurrency(model, drafter, c, kw["budgets"], kw["accs"], kw["lens"], kw["new_tokens"], kw["topk"],
+                        kw["graph"], copy_bw, {**kw["base"], "init": used}, kw["seed"], report)
 
 
 def _config(preset: str, checkpoint, tp: int, rank: int, overrides: dict):
@@ -436,7 +377,9 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
                       attn=attn, seed=seed, init=init, concurrency=concurrency, budgets=budgets, accs=accs,
                       lens=lens, new_tokens=new_tokens, topk=topk, graph=graph, base=base)
             progress.update(task, description=f"e2e {cfg.name} tp={tp} distributed ({tp} processes)")
-            _run_distributed(tp, kw, on_row)
+            from ddbench.ranks import run_ranks
+
+            run_ranks(_rank_worker, tp, kw, on_row, "e2e")
         else:
             comm = SimComm(tp, rank, predict) if tp > 1 else LocalComm()
             t0 = time.perf_counter()

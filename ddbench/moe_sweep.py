@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from ddbench import UserError
+from ddbench.results import timestamp
+from ddbench.timing import pick_device
 
 BACKENDS = ("torch", "triton")
 ROUTINGS = ("uniform", "skewed", "balanced", "router")
@@ -145,7 +147,7 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
         seed: int, out: Path, override: list[str] | None) -> Path:
     from ddbench.cli import parse_int_list
 
-    dev = _pick_device(device)
+    dev = pick_device(device)
     on_gpu = dev.type == "cuda"
     backend_list = parse_choices(backends or ("torch,triton" if on_gpu else "torch"), BACKENDS, "--backends")
     routing_list = parse_choices(routing, ROUTINGS, "--routing")
@@ -201,7 +203,7 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
                         expert_bytes=w.expert_bytes(), torch_max_tokens=torch_max_tokens,
                         rotations=n_rot, tiles=str(tiles) if tiles else "default", backends=backend_list,
                         routings=routing_list, bytes_moved="touched experts' packed weights + scales, x in, out")
-    name = name or f"moe_sweep_tp{cfg.tp}_{_stamp()}"
+    name = name or f"moe_sweep_tp{cfg.tp}_{timestamp()}"
     n_sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 132
     rows = []
     with ResultWriter(out, "moe_sweep", meta, name=name) as writer, Progress(console=console) as progress:
@@ -285,22 +287,6 @@ def _table(console, rows, copy_gbps, gemm_tf) -> None:
                     f"{r['pct_of_copy_bw']:.1f}", f"{r['tflops']:.2f}", f"{r['pct_of_gemm_peak']:.1f}",
                     r["rel_err"] or "-")
     console.print(tab)
-
-
-def _pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
-        raise UserError(f"--device {device!r}: choose cpu, cuda or auto")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda but no CUDA device is available")
-    return torch.device(device)
-
-
-def _stamp() -> str:
-    from ddbench.results import timestamp
-
-    return timestamp()
 
 
 # ---------------------------------------------------------------- plots for `ddbench report`

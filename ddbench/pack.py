@@ -17,6 +17,7 @@ from rich.progress import Progress
 
 from ddbench import UserError
 from ddbench.results import atomic_write_text, ensure_out_dir, run_metadata, timestamp
+from ddbench.timing import pick_device
 from engine.config import ModelConfig, parse_overrides, preset as make_preset
 from engine.weights import residual_gain
 from kernels import ctensors, marlin, quant
@@ -33,16 +34,6 @@ def parse_layers(text: str, cfg: ModelConfig) -> list[int]:
         raise UserError(f"--layers {bad} are not MoE layers of this preset "
                         f"({cfg.moe_layers.start}..{cfg.moe_layers.stop - 1})")
     return layers
-
-
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
-        raise UserError(f"--device {device!r}: choose cpu, cuda or auto")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda but no CUDA device is available")
-    return torch.device(device)
 
 
 def random_experts(cfg: ModelConfig, layer: int, experts: range, seed: int, device) -> dict:

@@ -13,6 +13,19 @@ from dataclasses import dataclass
 import torch
 
 
+def pick_device(device: str) -> torch.device:
+    """'auto' (CUDA when there is one), 'cpu' or 'cuda' -> torch.device; UserError otherwise."""
+    from ddbench import UserError
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r}: choose cpu, cuda or auto")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda but no CUDA device is available")
+    return torch.device(device)
+
+
 @dataclass
 class Stats:
     median_us: float

@@ -1,0 +1,81 @@
+"""Local tensor-parallel runs: one spawned process per rank (NCCL on GPU `rank`, gloo on
+the CPU); rank 0 sends its result rows to the parent, and any rank's failure stops all."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank: int, tp: int, port: int, device_kind: str, timeout_s: float):
+    """Join the process group (NCCL on GPU `rank` or gloo on the CPU) -> this rank's device."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = device_kind == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return torch.device("cuda", rank) if cuda else torch.device("cpu")
+
+
+def _entry(worker, rank: int, tp: int, port: int, queue, kw: dict) -> None:
+    """Run `worker(rank, tp, port, report, kw)` in a rank process, then leave the group."""
+    import torch.distributed as dist
+
+    try:
+        report = (lambda row: queue.put(("row", row))) if rank == 0 else (lambda row: None)
+        worker(rank, tp, port, report, kw)
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put(("done", rank))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails loudly
+        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+        raise SystemExit(1)
+
+
+def run_ranks(worker, tp: int, kw: dict, on_row, what: str) -> None:
+    """Start `tp` processes of the module-level `worker`, hand rank 0's rows to `on_row`,
+    and raise RuntimeError naming `what` if any rank fails or dies."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(worker, r, tp, port, q, kw), daemon=True) for r in range(tp)]
+    for p in procs:
+        p.start()
+    done, error = set(), None
+    try:
+        while len(done) < tp and error is None:
+            try:
+                kind, msg = q.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    error = f"rank process exited with code {dead[0].exitcode}"
+                continue
+            if kind == "row":
+                on_row(msg)
+            elif kind == "done":
+                done.add(msg)
+            else:
+                error = msg
+    finally:
+        for p in procs:
+            p.join(timeout=5 if error is None else 1)
+            if p.is_alive():
+                p.terminate()
+    if error:
+        raise RuntimeError(f"tensor-parallel {what} failed: {error}")
