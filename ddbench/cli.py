@@ -23,6 +23,14 @@ app = typer.Typer(
 OUT = typer.Option(Path("results"), "--out", help="Folder for results (CSV + JSON sidecar).")
 SEED = typer.Option(0, "--seed", help="Random seed.")
 PRESET = typer.Option("k2.6", "--preset", help="Model preset: k2.6, k2.6-tp8-rank or tiny.")
+# shared by the engine commands (decode, e2e)
+ENGINE_PRESET = typer.Option(None, "--preset", help="Model preset: k2.6, k2.6-tp8-rank or tiny "
+                             "(default k2.6 on a GPU, tiny on a CPU).")
+ENGINE_TP = typer.Option(1, "--tp", help="Tensor-parallel degree of the model.")
+SIMULATE_RANK = typer.Option(None, "--simulate-rank", help="Run only this rank's shard on one device; "
+                             "all-reduces are modelled (--allreduce-model).")
+GPUS = typer.Option(None, "--gpus", help="Processes/GPUs for a real TP run (= --tp).")
+CONCURRENCY = typer.Option("1,10", "--concurrency", help="Streams decoded together: '1,10' or '1-4'.")
 OVERRIDE = typer.Option(None, "--override", "-o", help="Config field override FIELD=VALUE (repeatable).")
 
 
@@ -314,14 +322,11 @@ def baseline(
 @app.command()
 @user_errors
 def decode(
-    preset: Optional[str] = typer.Option(None, "--preset", help="Model preset: k2.6, k2.6-tp8-rank or tiny "
-                                         "(default k2.6 on a GPU, tiny on a CPU)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree of the model."),
-    simulate_rank: Optional[int] = typer.Option(None, "--simulate-rank",
-                                                help="Run only this rank's shard on one device; all-reduces "
-                                                     "are modelled (--allreduce-model)."),
-    gpus: Optional[int] = typer.Option(None, "--gpus", help="Processes/GPUs for a real TP run (= --tp)."),
-    concurrency: str = typer.Option("1,10", "--concurrency", help="Streams decoded together: '1,10' or '1-4'."),
+    preset: Optional[str] = ENGINE_PRESET,
+    tp: int = ENGINE_TP,
+    simulate_rank: Optional[int] = SIMULATE_RANK,
+    gpus: Optional[int] = GPUS,
+    concurrency: str = CONCURRENCY,
     prompt_len: int = typer.Option(128, "--prompt-len", help="Random prompt tokens per stream."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens generated per stream (timed steps = this - 1)."),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint",
@@ -361,14 +366,11 @@ def decode(
 @app.command()
 @user_errors
 def e2e(
-    preset: Optional[str] = typer.Option(None, "--preset", help="Model preset: k2.6, k2.6-tp8-rank or tiny "
-                                         "(default k2.6 on a GPU, tiny on a CPU)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree of the model."),
-    simulate_rank: Optional[int] = typer.Option(None, "--simulate-rank",
-                                                help="Run only this rank's shard on one device; all-reduces "
-                                                     "are modelled (--allreduce-model)."),
-    gpus: Optional[int] = typer.Option(None, "--gpus", help="Processes/GPUs for a real TP run (= --tp)."),
-    concurrency: str = typer.Option("1,10", "--concurrency", help="Streams decoded together: '1,10' or '1-4'."),
+    preset: Optional[str] = ENGINE_PRESET,
+    tp: int = ENGINE_TP,
+    simulate_rank: Optional[int] = SIMULATE_RANK,
+    gpus: Optional[int] = GPUS,
+    concurrency: str = CONCURRENCY,
     budget: str = typer.Option("16,32,64,128,256", "--budget", help="Tree budgets (nodes per stream and step)."),
     acceptance: str = typer.Option("real", "--acceptance",
                                    help="Comma list of: real (true greedy walk, lossless), synthetic:TAU "

@@ -157,29 +157,21 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     from engine.config import parse_overrides, preset as make_preset
 
     console = Console()
+    from ddbench.ranks import check_layout
+
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    if tp < 1:
-        raise UserError(f"--tp {tp}: must be >= 1")
     if prompt_len < 1 or new_tokens < 2:
         raise UserError("--prompt-len must be >= 1 and --new-tokens >= 2")
     if any(c < 1 for c in concurrency):
         raise UserError("--concurrency values must be >= 1")
-    if simulate_rank is not None and not 0 <= simulate_rank < tp:
-        raise UserError(f"--simulate-rank {simulate_rank} is not a rank of --tp {tp}")
     if init not in ("auto", "exact", "shard"):
         raise UserError(f"--init {init!r}: choose auto, exact or shard")
     if checkpoint is not None and not Path(checkpoint).is_dir():
         raise UserError(f"--checkpoint {checkpoint}: no such directory")
     if checkpoint is not None and (override or preset):
         raise UserError("--preset/--override do not apply with --checkpoint (its config.json defines the model)")
-    distributed = tp > 1 and simulate_rank is None
-    if distributed:
-        gpus = gpus or tp
-        if gpus != tp:
-            raise UserError(f"--gpus {gpus} must equal --tp {tp} (one process per rank)")
-        if cuda and torch.cuda.device_count() < tp:
-            raise UserError(f"--tp {tp} needs {tp} GPUs, found {torch.cuda.device_count()}")
+    distributed = check_layout(tp, gpus, simulate_rank, cuda)
     if preset is None:
         preset = "k2.6" if cuda else "tiny"
         if not cuda and checkpoint is None:

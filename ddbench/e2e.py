@@ -306,6 +306,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     from rich.progress import Progress
 
     from ddbench.decode import allreduce_predictor, pick_backends
+    from ddbench.ranks import check_layout
     from ddbench.results import ResultWriter, run_metadata
     from engine.config import parse_overrides
     from engine.drafter import drafter_config
@@ -315,19 +316,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     console = Console()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    if tp < 1:
-        raise UserError(f"--tp {tp}: must be >= 1")
-    distributed = tp > 1 and simulate_rank is None
-    if distributed:
-        gpus = gpus or tp
-        if gpus != tp:
-            raise UserError(f"--gpus {gpus} must equal --tp {tp} (one process per rank)")
-        if cuda and torch.cuda.device_count() < tp:
-            raise UserError(f"--tp {tp} needs {tp} GPUs, found {torch.cuda.device_count()}")
-    elif gpus not in (None, 1):
-        raise UserError(f"--gpus {gpus}: a single or simulated-rank run uses one device")
-    if simulate_rank is not None and not 0 <= simulate_rank < tp:
-        raise UserError(f"--simulate-rank {simulate_rank} is not a rank of --tp {tp}")
+    distributed = check_layout(tp, gpus, simulate_rank, cuda)
     if new_tokens < 2:
         raise UserError("--new-tokens must be >= 2")
     if any(c < 1 for c in concurrency):

@@ -7,6 +7,28 @@ import os
 import socket
 
 
+def check_layout(tp: int, gpus: int | None, simulate_rank: int | None, cuda: bool) -> bool:
+    """Check --tp/--gpus/--simulate-rank (UserError on bad input) -> True for a real TP run."""
+    from ddbench import UserError
+
+    if tp < 1:
+        raise UserError(f"--tp {tp}: must be >= 1")
+    if simulate_rank is not None and not 0 <= simulate_rank < tp:
+        raise UserError(f"--simulate-rank {simulate_rank} is not a rank of --tp {tp}")
+    distributed = tp > 1 and simulate_rank is None
+    if distributed:
+        if (gpus or tp) != tp:
+            raise UserError(f"--gpus {gpus} must equal --tp {tp} (one process per rank)")
+        if cuda:
+            import torch
+
+            if torch.cuda.device_count() < tp:
+                raise UserError(f"--tp {tp} needs {tp} GPUs, found {torch.cuda.device_count()}")
+    elif gpus not in (None, 1):
+        raise UserError(f"--gpus {gpus}: a single or simulated-rank run uses one device")
+    return distributed
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
