@@ -268,7 +268,7 @@ def build_tree(logp: torch.Tensor, token_ids: torch.Tensor, budget: int, num_war
     """Best-first DDTree builder on the GPU (or the Triton interpreter); equals `build_tree_ref`.
 
     logp `[B, L, K]` per-position top-K log-probs sorted descending along K (fp32 scores;
-    other float dtypes are converted), token_ids int `[B, L, K]`, budget <= 2047 nodes
+    other float dtypes are converted), token_ids int `[B, L, K]`, budget <= 2046
     (may exceed K). One program per stream; no host sync, CUDA-graph capturable.
     Returns a `Tree` (root token -1 and root rank -1: the caller fills the root's token).
     """

@@ -98,7 +98,7 @@ def random_marlin_moe(n_experts: int, hidden: int, inter: int, group_size: int =
     `marlin.pack`), `chunk` experts at a time so the logical int4 never exists whole.
 
     inter is the shard's intermediate size (I/tp). Scales give w13 outputs unit variance
-    and w2 an extra 1/sqrt(top_k), as `ddbench pack` does.
+    and w2 an extra 1/sqrt(top_k), so the weighted sum over the k experts keeps unit scale.
     """
     from kernels import quant
 

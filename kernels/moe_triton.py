@@ -1,7 +1,7 @@
 """Fused INT4 W4A16 MoE in Triton, reading the Marlin layout directly (DESIGN §4).
 
 `fused_moe_triton(x, topk_ids, topk_weights, w)` computes what `kernels.moe.fused_moe_ref`
-computes, in five launches and no host syncs (so the whole layer can be captured in a
+computes, in six or seven launches and no host syncs (so the whole layer can be captured in a
 CUDA graph):
 
 1. memset of the per-expert counters;
@@ -33,13 +33,13 @@ with `acc_scale` (32-row steps, one group each) the operand is the exact 16-bit 
 (bf16, q | 0x4300) or 1024 + q (fp16, q | 0x6400), the bias removed after the dot as
 BIAS * rowsum(A) and the group scale applied to the `[BM, BN/2]` product.
 
-Status (H200, docs/notes/moe.md): correct at every point (rel. error 3.8e-3 in bf16) and
-17-190x faster than the torch reference, but only 6-14 % of the copy bandwidth; the tile
-sweep says cost grows with per-CTA tile size (more warps, stages, wider tiles all slower),
-which points at the layout conversion of the dequantized tile to the dot operand, not at
-DRAM. `join=True` (each word loaded once, nibbles spread with tl.join so each thread holds
-4 consecutive K rows) is the first thing to try; it is tested under the interpreter but
-not yet timed on a GPU. An mma-fragment dequant (inline asm or CUDA) is the known way past.
+Status (H200, docs/BENCHMARKS.md): correct at every point (rel. error 3.8e-3 in bf16) and
+40-439x faster than the torch reference, but only 21-25 % of the copy bandwidth at
+16 <= T <= 512; the tile sweep says cost grows with per-CTA tile size (more warps, stages,
+wider tiles all slower), which points at the layout conversion of the dequantized tile to
+the dot operand, not at DRAM. `join=True` (each word loaded once, nibbles spread with
+tl.join so each thread holds 4 consecutive K rows) halved the time and is the default where
+it won (TILE_TABLE). An mma-fragment dequant (inline asm or CUDA) is the known way past.
 """
 from __future__ import annotations
 
@@ -555,7 +555,3 @@ def _sm_count(device: torch.device) -> int:
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SMS[device]
-
-
-def with_config(cfg: MoeTritonConfig, **changes) -> MoeTritonConfig:
-    return replace(cfg, **changes)

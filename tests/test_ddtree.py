@@ -210,7 +210,7 @@ def test_commit_equals_reference(dtype):
 def test_commit_all_padding_and_full_chain():
     gen = torch.Generator().manual_seed(4)
     ckv, kpe = torch.randn(2, 20, 16, generator=gen), torch.randn(2, 20, 4, generator=gen)
-    acc = torch.tensor([[0, 1, 2, 3, 4], [0, 3, 7, 8, 12]], dtype=torch.int32)
+    acc = torch.tensor([[-1, -1, -1, -1, -1], [0, 3, 7, 8, 12]], dtype=torch.int32)
     prefix = torch.tensor([5, 2], dtype=torch.int32)
     c1, k1, c2, k2 = ckv.clone(), kpe.clone(), ckv.clone(), kpe.clone()
     commit_kv_ref(c1, k1, prefix, acc)
