@@ -58,3 +58,25 @@ def test_staged_reference_equals_fused_reference():
     ids, tw = synthetic_routing("uniform", 7, 6, 3, seed=2)
     staged = moe_ref_w2(moe_ref_w13(x, ids, w), ids, tw, w)
     assert torch.allclose(staged, fused_moe_ref(x, ids, tw, w), atol=1e-5, rtol=1e-5)
+
+
+def test_router_bias_selects_but_does_not_weight():
+    """noaux_tc: the correction bias pulls an expert into the top-k, but its weight is the
+    plain sigmoid score renormalised over the chosen experts (times the scaling)."""
+    from kernels.moe import route
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 32, generator=gen)
+    gate = torch.randn(16, 32, generator=gen)
+    scores = torch.sigmoid(x @ gate.t())
+    weakest = int(scores[0].argmin())
+    bias = torch.zeros(16)
+    bias[weakest] = 10.0
+    ids, w = route(x, gate, bias, top_k=4, routed_scaling=2.5)
+    assert (ids == weakest).any(dim=1).all()                    # selected for every token
+    for t in range(5):
+        chosen = ids[t].long()
+        want = scores[t, chosen] / scores[t, chosen].sum() * 2.5  # no bias in the weights
+        torch.testing.assert_close(w[t], want)
+        others = torch.topk(scores[t] + bias, 4).indices
+        assert set(chosen.tolist()) == set(others.tolist())
