@@ -11,8 +11,9 @@ Three ways to run a TP-n model:
   real thing; rank 0 reports.
 
 For each concurrency c: random prompts of `--prompt-len`, prefill, then `--new-tokens`
-greedy steps (a CUDA graph per step on GPU), plus one eager step timed per phase
-(engine/decode.py explains the method). One CSV row per c (kind `decode`) with the step
+greedy steps (a CUDA graph per step on GPU), with per-phase times from a second graph of
+the step with timing events inside it, or one eager step where that fails (the
+`phase_method` column says which; engine/decode.py explains the method). One CSV row per c (kind `decode`) with the step
 time, per-phase times, tok/s, and the bytes floor: (weight bytes + KV bytes) a step
 must read / the measured device copy bandwidth.
 """
@@ -282,7 +283,7 @@ def plot(results: dict, out: Path, fmt: str) -> list[tuple[str, Path]]:
     x = range(len(labels))
     for k, p in enumerate(PHASE_COLS):
         vals = [s[k] for s in stacks]
-        ax.bar(x, vals, bottom=bottom, label=f"{p} (eager)")
+        ax.bar(x, vals, bottom=bottom, label=p)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.scatter(x, totals, marker="_", s=600, color="black", zorder=3, label="step total (graph + modelled comm)")
     fx = [i for i, f in zip(x, floors) if f]

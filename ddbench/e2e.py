@@ -423,7 +423,7 @@ def summary(paths) -> None:
             line = (f"c={c:<3} {acc:<14} best budget {int(best.budget):4d}: {best.output_tok_per_s:8.1f} tok/s, "
                     f"acc len {best.mean_accepted:.2f}, step {best.step_total_us:8.0f} us, x floor {best.floor_ratio}, "
                     f"graph={best.cuda_graph}"
-                    + (f", lossless vs AR: {bool(h.matches_ar.astype(bool).all())}" if acc == "real" else "")
+                    + (f", lossless vs AR: {bool(h.matches_ar.eq(True).all())}" if acc == "real" else "")
                     + "; by budget: "
                     + " ".join(f"{int(b)}:{t:.0f}" for b, t in zip(h.budget, h.output_tok_per_s)))
             print(line)

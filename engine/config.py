@@ -72,6 +72,12 @@ class ModelConfig:
                         ("dense_inter", self.dense_inter), ("vocab", self.vocab)]:
             if n % self.tp:
                 raise ConfigError(f"{what}={n} does not split over tp={self.tp}")
+        if self.n_group != 1 or self.topk_group != 1:
+            raise ConfigError(f"grouped routing (n_group={self.n_group}, topk_group={self.topk_group}) is not "
+                              "supported: the router implements K2.6's n_group = topk_group = 1")
+        if self.rope_mscale != self.rope_mscale_all_dim:
+            raise ConfigError(f"rope mscale {self.rope_mscale} != mscale_all_dim {self.rope_mscale_all_dim} "
+                              "is not supported (K2.6 has 1 and 1)")
         if not 0 < self.top_k <= self.n_experts:
             raise ConfigError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
         self.n_local_heads = self.n_heads // self.tp

@@ -3,8 +3,8 @@
 A few non-causal transformer layers of the target's hidden size draft a whole block at
 once: the input is [bonus, MASK x (B-1)] at positions P .. P+B-1 (P = the stream's
 committed length), embedded with the target's embedding; one forward gives B-1
-per-position distributions (for positions P+1 .. P+B-1) through the target's final norm
-and lm_head.
+per-position distributions (for positions P+1 .. P+B-1) through the drafter's own final
+norm and the target's lm_head.
 
 Conditioning: the target's hidden states at `target_layers` for every committed token
 are concatenated, projected by one linear (`fc`) and RMS-normed into a context feature;
@@ -29,6 +29,7 @@ from torch import nn
 
 from engine.config import ConfigError
 from engine.parallel import ColumnParallelLinear, Comm, RowParallelLinear
+from engine.phases import phase
 
 
 @dataclass
@@ -257,4 +258,5 @@ class Drafter(nn.Module):
         mask = self._ctx_mask(start)
         for i, layer in enumerate(self.layers):
             x = layer(x, pos, self.freqs, self.ctx_k[i], self.ctx_v[i], mask)
-        return target.logits(self.norm(x[:, 1:]))                                 # [N, B-1, vocab]
+        with phase("lm_head"):  # the drafter's own norm, then the shared lm_head (not the target's norm)
+            return target.head(self.norm(x[:, 1:]))                               # [N, B-1, vocab]

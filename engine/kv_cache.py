@@ -22,14 +22,6 @@ class KVCache:
         self.ckv = torch.zeros(cfg.n_layers, n_streams, max_len, cfg.kv_lora_rank, device=device, dtype=dtype)
         self.kpe = torch.zeros(cfg.n_layers, n_streams, max_len, cfg.qk_rope_dim, device=device, dtype=dtype)
 
-    def write(self, layer: int, prefix_len: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> None:
-        """Store new tokens' ckv `[B, T, L]` and kpe `[B, T, R]` at prefix_len[b] + j (no sync)."""
-        b, t, _ = ckv.shape
-        pos = prefix_len.long().view(b, 1) + torch.arange(t, device=ckv.device)   # [B, T]
-        rows = torch.arange(b, device=ckv.device).view(b, 1).expand(b, t)          # [B, T]
-        self.ckv[layer].index_put_((rows, pos), ckv.to(self.ckv.dtype))
-        self.kpe[layer].index_put_((rows, pos), kpe.to(self.kpe.dtype))
-
     def commit(self, prefix_len: torch.Tensor, accepted: torch.Tensor) -> None:
         """Keep accepted tree nodes: node j of stream b sits at prefix_len[b] + j; accepted
         int `[B, A]` lists node indices root first, -1 padded; entry i moves to
@@ -38,11 +30,3 @@ class KVCache:
         # all layers in one call: layers folded into the stream dim, [n, B, S, .] -> [n*B, S, .]
         commit_kv_ref(self.ckv.view(n * b, s, -1), self.kpe.view(n * b, s, -1),
                       prefix_len.repeat(n), accepted.repeat(n, 1))
-
-    def bytes_per_token(self) -> int:
-        """Cache bytes of one token over all layers (latent + rope)."""
-        return (self.ckv.shape[0] * (self.ckv.shape[-1] + self.kpe.shape[-1])) * self.ckv.element_size()
-
-    def reset(self) -> None:
-        self.ckv.zero_()
-        self.kpe.zero_()

@@ -39,14 +39,3 @@ def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Te
     """positions int `[B, T]` -> (cos, sin) fp32 `[B, T, R/2]`."""
     ang = positions.float().unsqueeze(-1) * freqs                      # [B, T, R/2]
     return ang.cos(), ang.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the interleaved pairs (2i, 2i+1) of x `[B, T, ..., R]` by cos/sin `[B, T, R/2]`."""
-    b, t, half = cos.shape
-    shape = (b, t, *([1] * (x.dim() - 3)), half)                       # broadcast over heads
-    cos, sin = cos.view(shape), sin.view(shape)
-    xf = x.float().unflatten(-1, (half, 2))                            # [B, T, .., R/2, 2]
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)   # [B, T, .., R/2, 2]
-    return out.flatten(-2).to(x.dtype)                                 # [B, T, .., R]

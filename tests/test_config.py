@@ -39,3 +39,10 @@ def test_bad_configs():
     with pytest.raises(ConfigError):
         parse_overrides(["hidden"])
     assert parse_overrides(["hidden=512", "norm_eps=1e-6"]) == {"hidden": 512, "norm_eps": 1e-6}
+
+
+def test_unsupported_routing_and_rope_fields_are_refused():
+    with pytest.raises(ConfigError, match="grouped routing"):
+        preset("tiny", n_group=8, topk_group=4)
+    with pytest.raises(ConfigError, match="mscale"):
+        preset("tiny", rope_mscale=0.707)

@@ -92,8 +92,9 @@ def test_random_drafter_is_lossless(models, reference, case, budget):
     assert stats.tokens == sum(limits) - len(limits)      # first token comes from prefill
 
 
-@pytest.mark.parametrize("case,budget,miss", [("c1", 8, 0), ("c3", 7, 0), ("c3", 20, 5)])
-def test_oracle_drafter_accepts_long_paths_losslessly(models, reference, case, budget, miss):
+@pytest.mark.parametrize("case,budget,miss,kernels", [("c1", 8, 0, "ref"), ("c3", 7, 0, "ref"),
+                                                     ("c3", 20, 5, "ref"), ("c3", 7, 0, "triton")])
+def test_oracle_drafter_accepts_long_paths_losslessly(models, reference, case, budget, miss, kernels):
     cfg, target, drafter = models
     prompts, limits, ref = reference[case]
     oracle = OracleDrafter(drafter.dc, target, target.comm, dtype=torch.float32)
@@ -102,7 +103,7 @@ def test_oracle_drafter_accepts_long_paths_losslessly(models, reference, case, b
                 max_budget=budget)
     oracle.set_table(prompts, ref, miss)
     s.prefill(prompts, limits)
-    stats = SpecStep(s, budget, kernels="ref").run()
+    stats = SpecStep(s, budget, kernels=kernels).run()  # triton: accept + commit of long paths
     assert s.outputs() == ref
     # a chain of depth L = 7 fits in any budget >= 7: whole blocks are accepted
     assert stats.mean_accepted > (3.0 if miss else 5.0)
