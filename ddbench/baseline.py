@@ -460,8 +460,11 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
     if not timeout > 0:
         raise UserError(f"--timeout must be > 0, got {timeout}")
     base = check_url(url)
-    most = max(num_prompts or default_num_prompts(c) for c in concurrency)
-    prompts = make_prompts(dataset, most, input_len, output_len, api, seed)
+    # the warmup and every level get prompts of their own, so no level is served from a
+    # prefix cache warmed by another; a dataset file shorter than that is reused cyclically
+    counts = [num_prompts or default_num_prompts(c) for c in concurrency]
+    prompts = make_prompts(dataset, warmup + sum(counts), input_len, output_len, api, seed)
+    starts = [warmup + sum(counts[:i]) for i in range(len(counts))]
     info = server_info(base, api, timeout)
     model = model or _model_id(info)
     label = label or f"{api}@{urlsplit(base).netloc}"
@@ -498,8 +501,8 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
                               name=f"baseline_{stamp}") as sum_w, \
                  Progress(console=console, transient=True) as bar:
                 sum_w.meta["requests_csv"] = req_w.path.name
-                for c in concurrency:
-                    todo = prompts[: num_prompts or default_num_prompts(c)]
+                for c, n, start in zip(concurrency, counts, starts):
+                    todo = prompts[start:start + n]
                     task = bar.add_task(f"concurrency {c}", total=len(todo))
 
                     def done(o, c=c, task=task):

@@ -420,7 +420,14 @@ def e2e(
         init=init, topk=topk, seed=seed, out=out, override=override, baseline=baseline, name=name)
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM finishes files like Ctrl-C: rows kept, sidecar says incomplete
+
+
 def main():
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate)
     app(prog_name="ddbench")
 
 

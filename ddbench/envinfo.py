@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ddbench import telemetry
-from ddbench.results import atomic_write_text
+from ddbench.results import atomic_write_text, ensure_out_dir
 
 
 def facts() -> dict:
@@ -38,5 +38,6 @@ def run(json_out: Path | None = None) -> dict:
         console.print("[yellow]No NVIDIA GPU found (NVML unavailable or no devices): "
                       "GPU commands will run their CPU-sized presets.[/]")
     if json_out:
+        ensure_out_dir(Path(json_out).parent)
         atomic_write_text(json_out, json.dumps(f, indent=2, default=str) + "\n")
     return f

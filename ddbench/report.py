@@ -67,7 +67,12 @@ def run(paths, out: Path, fmt: str = "png") -> Path:
             continue
         drawn.add(module)
         plot = getattr(importlib.import_module(module), "plot", None)
-        for title, path in (plot(results, out, fmt) if plot else []):
+        try:
+            drawn_plots = plot(results, out, fmt) if plot else []
+        except (KeyError, ValueError, TypeError) as e:  # a CSV without the columns its kind needs
+            print(f"warning: could not draw {kind} plots: {type(e).__name__}: {e}")
+            continue
+        for title, path in drawn_plots:
             lines += [f"## {title}", "", f"![{title}]({Path(path).name})", ""]
     report = out / "report.md"
     atomic_write_text(report, "\n".join(lines) + "\n")

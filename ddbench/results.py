@@ -86,12 +86,17 @@ class ResultWriter:
         self.sidecar = self.out / f"{self.name}.json"
         self.append = append
         if self.path.exists() and not append:
-            raise UserError(f"{self.path} exists; pick another --name or pass --append")
+            raise UserError(f"{self.path} exists; pick another --name")
         self.meta = meta if meta is not None else run_metadata(kind)
         self.rows: list[dict] = []
         self._file = None
         self._writer = None
         self._tmp = self.out / f"{self.name}.csv.partial"
+        if self._tmp.exists():
+            raise UserError(f"{self._tmp} is left from an interrupted run; rename or remove it")
+        from ddbench.telemetry import NvmlSampler
+
+        self._nvml = NvmlSampler().__enter__()  # energy, power, temperature over the run
 
     def __enter__(self):
         return self
@@ -100,8 +105,9 @@ class ResultWriter:
         """Append one row and flush it to disk."""
         if self._writer is None:
             if self.append and self.path.exists():
+                with open(self.path, newline="") as f:
+                    fields = next(csv.reader(f))
                 self._file = open(self.path, "a", newline="")
-                fields = next(csv.reader(open(self.path)))
                 self._tmp = None
             else:
                 self._file = open(self._tmp, "w", newline="")
@@ -118,6 +124,8 @@ class ResultWriter:
             self._file.close()
             if self._tmp is not None:
                 os.replace(self._tmp, self.path)
+        self._nvml.__exit__(None, None, None)
+        self.meta.update({f"nvml_{k}": v for k, v in self._nvml.readings.items()})
         self.meta.update(extra_meta)
         self.meta["completed"] = completed
         self.meta["rows"] = len(self.rows)
@@ -139,6 +147,10 @@ def read_results(paths) -> list[tuple[Path, dict]]:
         csvs = sorted(p.rglob("*.csv")) if p.is_dir() else [p]
         for c in csvs:
             side = c.with_suffix(".json")
-            meta = json.loads(side.read_text()) if side.exists() else {}
+            try:
+                meta = json.loads(side.read_text()) if side.exists() else {}
+            except ValueError:
+                print(f"warning: skipping {c}: its sidecar {side.name} is not valid JSON")
+                continue
             found.append((c, meta))
     return found

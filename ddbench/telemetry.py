@@ -66,7 +66,8 @@ def gpu_info() -> dict:
 
 
 class NvmlSampler:
-    """Energy delta, peak power and temperature of GPU `index` over a `with` block."""
+    """Energy used by GPU `index` over a `with` block, and its power, temperature and SM
+    clock at the end (nothing without NVML)."""
 
     def __init__(self, index: int = 0):
         self.nv = _nvml()
@@ -75,8 +76,11 @@ class NvmlSampler:
 
     def _read(self) -> dict:
         nv = self.nv
-        h = nv.nvmlDeviceGetHandleByIndex(self.index)
         r = {}
+        try:
+            h = nv.nvmlDeviceGetHandleByIndex(self.index)
+        except Exception:  # noqa: BLE001 - NVML without this GPU: no readings
+            return r
         with contextlib.suppress(Exception):
             r["energy_mj"] = nv.nvmlDeviceGetTotalEnergyConsumption(h)
         with contextlib.suppress(Exception):
@@ -96,7 +100,7 @@ class NvmlSampler:
         if self.nv is None:
             return False
         end = self._read()
-        if "energy_mj" in end and "energy_mj" in self.start:
+        if "energy_mj" in end and "energy_mj" in getattr(self, "start", {}):
             self.readings["energy_j"] = (end["energy_mj"] - self.start["energy_mj"]) / 1000
         for k in ("power_w", "temp_c", "sm_clock_mhz"):
             if k in end:
