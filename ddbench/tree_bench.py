@@ -94,6 +94,15 @@ def run(*, budgets, streams, prefixes, heads, topk, positions, dtype, kernels, m
         raise UserError(f"--kernels {bad}: choose from {', '.join(KERNELS)}")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose bf16, fp16 or fp32")
+    for what, values in [("--budgets", budgets), ("--streams", streams), ("--prefixes", prefixes),
+                         ("--heads", heads), ("--reps", [reps]), ("--topk", [topk]),
+                         ("--positions", [positions]), ("--layers", [layers])]:
+        if any(v < 1 for v in values):
+            raise UserError(f"{what} must be >= 1")
+    too_big = [b for b in budgets if b > min(max_nodes(positions, topk), 2046)]
+    if too_big:
+        raise UserError(f"--budgets {too_big}: at most {min(max_nodes(positions, topk), 2046)} nodes "
+                        f"for {positions} positions x top-{topk}")
     cfg = make_preset(preset, **parse_overrides(override))
     latent, rope, vocab = cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.vocab
     if not cuda:
