@@ -71,6 +71,17 @@ class Prompt:
     output_len: int
 
 
+def read_jsonl(path: Path):
+    """Yield (line number, parsed value) for each non-blank line; UserError on bad JSON."""
+    for no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield no, json.loads(line)
+        except ValueError:
+            raise UserError(f"{path}:{no}: not valid JSON") from None
+
+
 def make_prompts(dataset: str, n: int, input_len: int, output_len: int, api: str,
                  seed: int = 0) -> list[Prompt]:
     """`random`: random token ids (sglang) or random words (openai); else a JSONL file.
@@ -89,13 +100,7 @@ def make_prompts(dataset: str, n: int, input_len: int, output_len: int, api: str
     if not path.is_file():
         raise UserError(f"--dataset {dataset!r}: not 'random' and no such file")
     rows = []
-    for no, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except ValueError:
-            raise UserError(f"{path}:{no}: not valid JSON") from None
+    for no, d in read_jsonl(path):
         if isinstance(d, str):
             d = {"prompt": d}
         p = d.get("prompt", d.get("text", d.get("input_ids"))) if isinstance(d, dict) else None
@@ -562,13 +567,7 @@ def import_bench_serving(path: Path, out: Path, label: str | None = None) -> tup
     if not path.is_file():
         raise UserError(f"--import {path}: no such file")
     results = []
-    for no, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except ValueError:
-            raise UserError(f"{path}:{no}: not valid JSON") from None
+    for no, d in read_jsonl(path):
         if not isinstance(d, dict) or "output_throughput" not in d:
             raise UserError(f"{path}:{no}: not a bench_serving result (no output_throughput)")
         results.append(d)
