@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from ddbench import UserError
+from engine.decode import PHASES as PHASE_COLS
 
-PHASE_COLS = ("attention", "moe", "mlp", "comm", "lm_head", "other")
 DEFAULT_ALLREDUCE = "nvlink-h200"
 
 
@@ -108,7 +108,7 @@ def check_fits(cfg, device: torch.device, n_streams: int, max_len: int) -> int:
     comm = SimComm(cfg.tp, cfg.rank, lambda n: 0.0)
     meta = Transformer(cfg, comm, device="meta", fused="torch")
     need = sum(t.numel() * t.element_size() for t in meta.state_dict().values())
-    need += cfg.n_layers * n_streams * max_len * (cfg.kv_lora_rank + cfg.qk_rope_dim) * 2
+    need += n_streams * max_len * cfg.kv_values_per_token * 2
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:

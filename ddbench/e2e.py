@@ -67,7 +67,7 @@ def step_floor_bytes(model, drafter, c: int, budget: int, context: float, max_le
     cfg = model.cfg
     tokens = c * (budget + 1)
     b = step_bytes(model, tokens, 0.0)
-    per_tok = cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_dim) * model.dtype.itemsize
+    per_tok = cfg.kv_values_per_token * model.dtype.itemsize
     kv = c * (context + budget + 1) * per_tok
     draft = 0
     if budget > 0:

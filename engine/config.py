@@ -104,6 +104,11 @@ class ModelConfig:
         return with_overrides(self, tp=tp, rank=rank)
 
     @property
+    def kv_values_per_token(self) -> int:
+        """Cached values per token over all layers: MLA latent + rope key (DESIGN §8)."""
+        return self.n_layers * (self.kv_lora_rank + self.qk_rope_dim)
+
+    @property
     def moe_layers(self) -> range:
         return range(self.n_dense_layers, self.n_layers)
 

@@ -197,7 +197,7 @@ def step_bytes(model: Transformer, n_streams: int, context: float) -> dict[str, 
     expert = moes[0].experts().expert_bytes() if moes else 0
     touched = cfg.n_experts * (1 - (1 - cfg.top_k / cfg.n_experts) ** n_streams)
     routed = len(moes) * touched * expert
-    kv = n_streams * context * (cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_dim)) * model.dtype.itemsize
+    kv = n_streams * context * cfg.kv_values_per_token * model.dtype.itemsize
     return {"weight_bytes": dense + routed, "dense_bytes": dense, "routed_bytes": routed,
             "experts_touched": touched, "kv_bytes": kv}
 
