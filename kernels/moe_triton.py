@@ -67,6 +67,7 @@ class MoeTritonConfig:
     join: bool = False      # load each word once and spread its nibbles with tl.join
     split_k: int = 1        # K splits of w13 (fp32 atomics + SiLU in w2's load when > 1)
     atomic_out: bool = False  # w2 adds into an fp32 [T, H] instead of writing [T*k, H] + sum
+    gemv: bool = False      # CUDA-core kernels (kernels.moe_gemv): block_m 1-16, block_n multiples of 64
     num_warps: int = 4
     num_stages: int = 3
 
@@ -79,6 +80,7 @@ class MoeTritonConfig:
 # slightly at T = 4096, but lost at T = 1024-2048 with block_m 32 (3891 vs 3366 us,
 # 7480 vs 6563 us): results/h200/moe_sweep_tp8_join.csv against moe_sweep_tp8.csv.
 TILE_TABLE: list[tuple[float, dict]] = [
+    (0.34, dict(gemv=True, block_m=1, block_n13=128, block_n2=128)),
     (10.7, dict(block_m=16, block_k13=64, block_k2=64, join=True)),
     (42.7, dict(block_m=32, block_k13=64, block_k2=64)),
     (float("inf"), dict(block_m=64, block_k13=64, block_k2=64, join=True)),
@@ -92,6 +94,13 @@ def default_config(tokens: int, top_k: int, n_experts: int, inter: int, hidden: 
     per_expert = tokens * top_k / n_experts
     fields = next(f for bound, f in (table or TILE_TABLE) if per_expert <= bound)
     cfg = replace(MoeTritonConfig(), **fields)
+    if cfg.gemv:  # column tiles narrowed to divide 2I and H; K split from kernels.moe_gemv
+        bn13, bn2 = cfg.block_n13, cfg.block_n2
+        while (2 * inter) % bn13 and bn13 > 64:
+            bn13 //= 2
+        while hidden % bn2 and bn2 > 64:
+            bn2 //= 2
+        return replace(cfg, block_n13=bn13, block_n2=bn2, split_k=fields.get("split_k", 0))
     bn13 = cfg.block_n13
     while inter % bn13 and bn13 > 32:
         bn13 //= 2
@@ -467,6 +476,13 @@ def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     for name, bk in [("block_k13", cfg.block_k13), ("block_k2", cfg.block_k2)]:
         if bk < KMIN or bk & (bk - 1):
             raise ValueError(f"{name}={bk} must be a power of two >= {KMIN}")
+    if cfg.gemv:
+        if not 1 <= cfg.block_m <= 16 or cfg.block_m & (cfg.block_m - 1):
+            raise ValueError(f"block_m {cfg.block_m} must be a power of two in 1..16 with gemv")
+        for name, bn, n in [("block_n13", cfg.block_n13, 2 * i), ("block_n2", cfg.block_n2, h)]:
+            if bn < 64 or bn & (bn - 1) or n % bn:
+                raise ValueError(f"{name}={bn} must be a power of two >= 64 dividing {n} with gemv")
+        return
     if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
         raise ValueError(f"block_m {cfg.block_m} must be a power of two >= 16")
     for name, bn, n in [("block_n13", cfg.block_n13, i), ("block_n2", cfg.block_n2, h)]:
@@ -484,6 +500,9 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     cfg = config or default_config(topk_ids.shape[0], topk_ids.shape[1], w.n_experts, w.inter,
                                    w.hidden, _sm_count(x.device))
     check_inputs(x, topk_ids, topk_weights, w, cfg)
+    if cfg.gemv:
+        from kernels.moe_gemv import fused_moe_gemv
+        return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, _sm_count(x.device))
     routing = align_tokens(topk_ids, w.n_experts, cfg.block_m)
     mid = triton_w13(x, routing, topk_ids.shape[1], w, cfg)
     return triton_w2(mid, routing, topk_weights, w, cfg, x.dtype)

@@ -4,7 +4,7 @@ import torch
 
 from engine.config import preset
 from kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing
-from kernels.moe_triton import MoeTritonConfig, align_tokens, check_inputs, fused_moe_triton
+from kernels.moe_triton import MoeTritonConfig, align_tokens, check_inputs, default_config, fused_moe_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,6 +51,41 @@ def test_triton_config_variants(mcfg):
     assert rel_err(fused_moe_triton(x, ids, tw, w, mcfg), fused_moe_ref(x.float(), ids, tw, w)) < 2e-3
 
 
+@pytest.mark.parametrize("tp,tokens,mcfg", [
+    (8, 1, MoeTritonConfig(gemv=True, block_m=1, block_n13=64, block_n2=64, split_k=0)),
+    (8, 6, MoeTritonConfig(gemv=True, block_m=1, block_n13=64, block_n2=128, split_k=3)),  # ragged last split
+    (8, 11, MoeTritonConfig(gemv=True, block_m=4, block_n13=64, block_n2=64, split_k=2)),
+    (1, 4, MoeTritonConfig(gemv=True, block_m=2, block_n13=128, block_n2=64, split_k=0)),
+])
+def test_gemv_matches_reference(tp, tokens, mcfg):
+    """CUDA-core path (kernels.moe_gemv): direct (block_m 1) and sorted rows, K splits,
+    grouped and per-channel scales (tiny tp8's w2 has K = I = the group size)."""
+    cfg, w = tiny_weights(tp, seed=10 + tokens)
+    x = torch.randn(tokens, cfg.hidden, device=DEV, dtype=torch.float16)
+    ids, tw = synthetic_routing("skewed", tokens, cfg.n_experts, cfg.top_k, device=DEV, seed=tokens)
+    y = fused_moe_triton(x, ids, tw, w, mcfg)
+    assert y.dtype == x.dtype and rel_err(y, fused_moe_ref(x.float(), ids, tw, w)) < 2e-3
+
+
+def test_gemv_permute_order():
+    """permute_rows puts K row 16kt + 2t + kodd + 8bk of each 32-row step at 8(bk + 2kodd) + 4kt + t."""
+    from kernels.moe_gemv import permute_rows
+    x = torch.randn(3, 64, device=DEV)
+    p = permute_rows(x).cpu()
+    for k in range(64):
+        kk = k % 32
+        kt, bk, t, kodd = kk // 16, (kk % 16) // 8, (kk % 8) // 2, kk % 2
+        assert torch.equal(p[:, k - kk + 8 * (bk + 2 * kodd) + 4 * kt + t], x[:, k].cpu())
+
+
+def test_default_config_picks_gemv_for_few_tokens():
+    cfg = preset("k2.6", tp=8)
+    small = default_config(1, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden)
+    large = default_config(4096, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden)
+    assert small.gemv and not large.gemv
+    assert (2 * cfg.moe_inter_local) % small.block_n13 == 0 and cfg.hidden % small.block_n2 == 0
+
+
 def test_align_tokens_sorts_and_pads():
     torch.manual_seed(0)
     e, k, t, bm = 12, 3, 21, 16
@@ -76,6 +111,8 @@ def test_align_tokens_sorts_and_pads():
     (dict(block_n13=48), "block_n13"),
     (dict(block_n13=32, block_n2=512), "block_n2"),
     (dict(block_n13=32, block_k13=96), "block_k13"),
+    (dict(gemv=True, block_m=3), "block_m"),
+    (dict(gemv=True, block_m=1, block_n13=32), "block_n13"),
 ])
 def test_check_inputs_rejects_bad_tiles(change, message):
     cfg, w = tiny_weights(8)
@@ -99,6 +136,19 @@ def test_triton_bf16_k26_shapes(tp, tokens):
     ids, tw = synthetic_routing("uniform", tokens, n_exp, cfg.top_k, device="cuda", seed=1)
     ref = fused_moe_ref(x.float(), ids, tw, w)
     assert rel_err(fused_moe_triton(x, ids, tw, w), ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,bm", [(1, 1), (16, 1), (40, 2), (100, 4)])
+def test_gemv_bf16_k26_shapes(tokens, bm):
+    cfg = preset("k2.6", tp=8)
+    w = random_marlin_moe(32, cfg.hidden, cfg.moe_inter_local, cfg.group_size, cfg.top_k, device="cuda")
+    x = torch.randn(tokens, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    ids, tw = synthetic_routing("uniform", tokens, 32, cfg.top_k, device="cuda", seed=5)
+    mcfg = MoeTritonConfig(gemv=True, block_m=bm, block_n13=128, block_n2=128, split_k=0)
+    y = fused_moe_triton(x, ids, tw, w, mcfg)
+    assert rel_err(y, fused_moe_ref(x.float(), ids, tw, w)) < 1e-2
+    assert torch.equal(y, fused_moe_triton(x, ids, tw, w, mcfg))   # no atomics: repeatable
 
 
 @pytest.mark.gpu

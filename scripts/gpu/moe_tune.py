@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps, gemm_tflops  # noqa: E402
 from engine.config import preset  # noqa: E402
 from kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing  # noqa: E402
-from kernels.moe_triton import MoeTritonConfig, default_config, fused_moe_triton  # noqa: E402
+from kernels.moe_triton import TILE_TABLE, MoeTritonConfig, default_config, fused_moe_triton  # noqa: E402
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 tiles_out = Path(sys.argv[2]) if len(sys.argv) > 2 else None
@@ -52,6 +52,16 @@ COMMON = {
     "acc32": dict(acc_scale=True),   # the 32-row path (first version)
     "join64": dict(join=True, block_k13=64, block_k2=64),   # words loaded once, tl.join expansion
     "join128": dict(join=True),
+    # CUDA-core path (kernels.moe_gemv): g<block_m>_<block_n>[w<warps>][s<stages>]
+    "g1_64": dict(gemv=True, block_m=1, block_n13=64, block_n2=64, split_k=0),
+    "g1_128": dict(gemv=True, block_m=1, block_n13=128, block_n2=128, split_k=0),
+    "g1_256": dict(gemv=True, block_m=1, block_n13=256, block_n2=256, split_k=0),
+    "g1_128w2": dict(gemv=True, block_m=1, block_n13=128, block_n2=128, split_k=0, num_warps=2),
+    "g1_128s5": dict(gemv=True, block_m=1, block_n13=128, block_n2=128, split_k=0, num_stages=5),
+    "g2_128": dict(gemv=True, block_m=2, block_n13=128, block_n2=128, split_k=0),
+    "g4_64": dict(gemv=True, block_m=4, block_n13=64, block_n2=64, split_k=0),
+    "g4_128": dict(gemv=True, block_m=4, block_n13=128, block_n2=128, split_k=0),
+    "g8_64": dict(gemv=True, block_m=8, block_n13=64, block_n2=64, split_k=0),
 }
 BM_ALT = {1: [], 16: [], 256: [32], 1024: [16, 64], 4096: [32, 128]}
 # optional narrowing (used by scripts/gpu/moe.sh for a quick look): comma lists
@@ -73,6 +83,7 @@ for T in TOKENS:
     ref = fused_moe_ref(xs[0].float(), *rts[0], w)
     heur = default_config(T, K, E, I, H, SMS)
     variants = {n: replace(heur, **ch) for n, ch in COMMON.items()}
+    variants["mma"] = default_config(T, K, E, I, H, SMS, TILE_TABLE[1:])   # tensor-core path only
     for bm in BM_ALT.get(T, []) if not os.environ.get("MOE_TUNE_VARIANTS") else []:
         variants[f"m{bm}"] = replace(default_config(T, K, E, I, H, SMS, [(math.inf, dict(block_m=bm))]))
     for name, mc in variants.items():
@@ -116,9 +127,9 @@ if tiles_out is not None and best:
     tiles_out.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {tiles_out}")
 print(f"\ncopy {copy:.0f} GB/s, read {read_gbps:.0f} GB/s, gemm {tf:.0f} TFLOP/s; total {time.time() - t0:.0f} s")
-print(f"{'T':>5} {'best':8s} {'us':>8} {'%copy':>6} {'%gemm':>6} {'base_us':>8} {'acc32_us':>8} {'max_err':>8}")
+print(f"{'T':>5} {'best':8s} {'us':>8} {'%copy':>6} {'%gemm':>6} {'base_us':>8} {'mma_us':>8} {'max_err':>8}")
 for T, b in best.items():
     rs = [r for r in rows if r["tokens"] == T]
     get = lambda n: next((f"{r['time_us']:8.1f}" for r in rs if r["variant"] == n), "       -")  # noqa: E731
     print(f"{T:5d} {b['variant']:8s} {b['time_us']:8.1f} {b['pct_copy']:6.1f} {b['pct_gemm']:6.1f} "
-          f"{get('base')} {get('acc32')} {max(r['rel_err'] for r in rs):8.1e}")
+          f"{get('base')} {get('mma')} {max(r['rel_err'] for r in rs):8.1e}")

@@ -1,0 +1,236 @@
+"""INT4 MoE for few tokens per expert: dot products on the CUDA cores, no tensor cores.
+
+At decode and small-tree verify sizes each expert sees one or a few tokens, so a tensor-core
+tile is mostly padding and the cost is turning nibbles into mma operands (docs/notes/moe.md).
+Here each word is consumed where it is loaded: its 8 nibbles are 4 K rows x 2 columns of the
+Marlin tile (DESIGN §4), so a thread multiplies them by the 4 matching activations and adds
+into the 2 columns; the sum over K rows happens once, after the loop. Same maths as
+`kernels.moe.fused_moe_ref`, fp32 throughout, no atomics (bit-for-bit repeatable).
+
+Word `[kt, nb*128 + (4g + t)*4 + tile]` holds nibbles i = 4*kodd + 2*bn + bk: K row
+16kt + 2t + kodd + 8bk, column 64nb + 16tile + g + 8bn. A program's word tile is
+`[8, BN/2]`: rows r = (kt, t) for the two k-tiles of one 32-row step (one scale group),
+columns j = (nb, g, tile). Dequantization without shifts: `(w & (0xF << 4i)) | 0x4B000000`
+read as fp32 is 2^23 + 16^i q exactly (for i <= 4; nibbles 5-7 after one `w >> 20`), so one
+AND-OR and one subtraction give 16^i (q - 8); the 16^-i goes into the activation instead.
+The activations are first permuted (fp32) so that each step's 4 x 8 values are contiguous:
+then every load in the loop is 4-byte and contiguous, which Triton pipelines with cp.async.
+
+Launches (`fused_moe_gemv`): permute x; w13 (one program per row block, column tile and K
+split; fp32 partial sums per split); SiLU(gate) * up * top-k weight, permuted; w2 (one row
+per assignment); sum over k. `block_m == 1`: a row block is one assignment, no sorting;
+`block_m > 1`: assignments sorted by expert (`moe_triton.align_tokens`), so an expert's words
+are read once for its rows.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe_triton import _block_rows, _scale_col, align_tokens
+
+STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
+
+
+@triton.jit
+def _nib(w, MASK: tl.constexpr, BIAS: tl.constexpr):
+    """The nibble under MASK (0xF << 4i) as fp32 16^i * (q - 8), exactly."""
+    return ((w & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - BIAS
+
+
+@triton.jit
+def _word_dot(w, xa, xb, xc, xd):
+    """Words `[8, C]` times activations -> (lo, hi) `[BM, 8, C]`.
+
+    xa..xd `[BM, 8]` are row r's activations at K offsets 2t, 2t+8, 2t+1, 2t+9 of its k-tile;
+    lo is column g of each word's pair, hi column g + 8 (still to be summed over the 8 rows).
+    """
+    M: tl.constexpr = 8388608.0                               # 2^23
+    hi_w = w >> 20                                            # nibbles 5..7 at bits 0..11
+    f0 = _nib(w, 0xF, M + 8.0)[None, :, :]                    # (2t,   g)     x 1
+    f1 = _nib(w, 0xF0, M + 128.0)[None, :, :]                 # (2t+8, g)     x 16
+    f2 = _nib(w, 0xF00, M + 2048.0)[None, :, :]               # (2t,   g+8)   x 256
+    f3 = _nib(w, 0xF000, M + 32768.0)[None, :, :]             # (2t+8, g+8)   x 4096
+    f4 = _nib(w, 0xF0000, M + 524288.0)[None, :, :]           # (2t+1, g)     x 65536
+    f5 = _nib(hi_w, 0xF, M + 8.0)[None, :, :]                 # (2t+9, g)     x 1
+    f6 = _nib(hi_w, 0xF0, M + 128.0)[None, :, :]              # (2t+1, g+8)   x 16
+    f7 = _nib(hi_w, 0xF00, M + 2048.0)[None, :, :]            # (2t+9, g+8)   x 256
+    xa, xb, xc, xd = xa[:, :, None], xb[:, :, None], xc[:, :, None], xd[:, :, None]
+    lo = xa * f0 + (xb * 0.0625) * f1 + (xc * 1.52587890625e-05) * f4 + xd * f5
+    hi = (xa * 0.00390625) * f2 + (xb * 0.000244140625) * f3 + (xc * 0.0625) * f6 + (xd * 0.00390625) * f7
+    return lo, hi
+
+
+@triton.jit
+def _tile(n0, BN: tl.constexpr):
+    """Word columns (for lane t = 0) and logical columns (bn = 0) of the BN-wide tile at n0."""
+    j = tl.arange(0, BN // 2)
+    nb, g, tile = j // 32, (j % 32) // 4, j % 4
+    wcol = (n0 // 64 + nb) * 128 + g * 16 + tile
+    return tl.max_contiguous(tl.multiple_of(wcol, 4), 4), n0 + nb * 64 + tile * 16 + g
+
+
+@triton.jit
+def _scales(s_row, sc_pair, PER_CHANNEL: tl.constexpr, n_lo):
+    """Group scales of columns n_lo and n_lo + 8 as fp32 `[1, 1, C]` each. With groups,
+    Marlin's 8x8 column transpose puts the two side by side: one int32 holds both."""
+    if PER_CHANNEL:
+        s_lo = tl.load(s_row + _scale_col(n_lo, True)).to(tl.float32)
+        s_hi = tl.load(s_row + _scale_col(n_lo + 8, True)).to(tl.float32)
+    else:
+        pair = tl.load(s_row.to(tl.pointer_type(tl.int32), bitcast=True) + sc_pair)      # [C]
+        s_lo = (pair << 16).to(tl.float32, bitcast=True)
+        s_hi = (pair & -65536).to(tl.float32, bitcast=True)
+    return s_lo[None, None, :], s_hi[None, None, :]
+
+
+@triton.jit
+def _step(acc_lo, acc_hi, a_ptrs, a_mask, w_e, s_e, k0, wrow, wcol, sc_pair, n_lo, stride_wk, stride_sg, GROUP,
+          PER_CHANNEL: tl.constexpr):
+    """acc `[BM, 8, C]` += one 32-row step at K row k0: activations from the permuted rows
+    `a_ptrs` `[BM, 8]` (this step's 4 x 8 values), words of the expert, group scales."""
+    xa = tl.load(a_ptrs + k0, mask=a_mask, other=0.0)                             # [BM, 8]
+    xb = tl.load(a_ptrs + k0 + 8, mask=a_mask, other=0.0)
+    xc = tl.load(a_ptrs + k0 + 16, mask=a_mask, other=0.0)
+    xd = tl.load(a_ptrs + k0 + 24, mask=a_mask, other=0.0)
+    w = tl.load(w_e + (k0 // 16) * stride_wk + wrow[:, None] + wcol[None, :])    # [8, C] int32
+    s_lo, s_hi = _scales(s_e + (k0 // GROUP) * stride_sg, sc_pair, PER_CHANNEL, n_lo)
+    lo, hi = _word_dot(w, xa, xb, xc, xd)
+    return acc_lo + lo * s_lo, acc_hi + hi * s_hi
+
+
+@triton.jit
+def _store_cols(ptrs, acc_lo, acc_hi, n_lo, valid):
+    """Sum `[BM, 8, C]` over the 8 word rows and store at columns n_lo and n_lo + 8."""
+    ty = ptrs.dtype.element_ty
+    tl.store(ptrs + n_lo[None, :], tl.sum(acc_lo, 1).to(ty), mask=valid[:, None])
+    tl.store(ptrs + (n_lo + 8)[None, :], tl.sum(acc_hi, 1).to(ty), mask=valid[:, None])
+
+
+@triton.jit
+def _gemv_kernel(
+    a_ptr, w_ptr, s_ptr,                  # fp32 activations permuted [rows, K] (`permute_rows`); int32 words [E, K/16, 2N]; scales [E, K/g, N]
+    ids_ptr, sorted_ptr, block_expert_ptr, expert_start_ptr, counts_ptr,   # routing
+    out_ptr,                              # [S, T*k, N]: one row per assignment and K split
+    stride_a, stride_we, stride_wk, stride_se, stride_sg, stride_os, stride_oa,
+    A_DIV, GROUP, STEPS_PER_SPLIT, K_STEPS,
+    BM: tl.constexpr, BN: tl.constexpr, PER_CHANNEL: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Program (row block, column tile, K split). Row block = one assignment when BM == 1
+    (expert from topk_ids), else BM sorted assignments of one expert; assignment a reads
+    activation row a // A_DIV (A_DIV = k for x, 1 for the per-assignment act)."""
+    if BM == 1:
+        a = tl.program_id(0)
+        e = tl.load(ids_ptr + a)
+        assign = a + tl.zeros([1], tl.int32)
+        valid = assign >= 0
+    else:
+        e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM)
+        if e < 0:
+            return
+    pid_n, pid_k = tl.program_id(1), tl.program_id(2)
+    r = tl.arange(0, 8)
+    wrow = (r // 4) * stride_wk + (r % 4) * 4                       # word row (kt, t)
+    wcol, n_lo = _tile(pid_n * BN, BN)
+    sc_pair = (wcol // 128) * 32 + (wcol % 128) // 16 * 4 + wcol % 4   # scale pair (n_lo, n_lo + 8)
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    s_e = s_ptr + e.to(tl.int64) * stride_se
+    a_ptrs = a_ptr + (assign // A_DIV).to(tl.int64)[:, None] * stride_a + r[None, :]   # [BM, 8]
+    acc_lo = tl.zeros([BM, 8, BN // 2], tl.float32)
+    acc_hi = tl.zeros([BM, 8, BN // 2], tl.float32)
+    k_first = pid_k * STEPS_PER_SPLIT
+    for ks in tl.range(k_first, tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT), num_stages=NUM_STAGES):
+        acc_lo, acc_hi = _step(acc_lo, acc_hi, a_ptrs, valid[:, None], w_e, s_e, ks * 32, wrow, wcol, sc_pair,
+                               n_lo, stride_wk, stride_sg, GROUP, PER_CHANNEL)
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + assign.to(tl.int64)[:, None] * stride_oa
+    _store_cols(out, acc_lo, acc_hi, n_lo, valid)
+
+
+@triton.jit
+def _permute_kernel(
+    src_ptr, dst_ptr, topk_w_ptr,
+    stride_ss, stride_sr, stride_d,
+    K, SPLITS,
+    GATED: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Row `pid` of src -> dst in the step order the GEMV reads: value k goes to
+    32 * (k // 32) + 8 * v + r with r = 4 * kt + t the word row and v = bk + 2 * kodd its
+    nibble pair. GATED: src is w13's fp32 partials `[S, T*k, 2K]`, the row becomes
+    SiLU(sum gate) * sum up * top-k weight (fp32)."""
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = k < K
+    if GATED:
+        sp = tl.arange(0, SP)
+        p = src_ptr + sp[:, None] * stride_ss + row * stride_sr + k[None, :]
+        m = (sp < SPLITS)[:, None] & ok[None, :]
+        g = tl.sum(tl.load(p, mask=m, other=0.0), 0)
+        u = tl.sum(tl.load(p + K, mask=m, other=0.0), 0)
+        v = g / (1.0 + tl.exp(-g)) * u * tl.load(topk_w_ptr + row)
+    else:
+        v = tl.load(src_ptr + row * stride_sr + k, mask=ok)
+    kk = k % 32
+    dst = (k - kk) + 8 * ((kk % 16) // 8 + 2 * (kk % 2)) + 4 * (kk // 16) + (kk % 8) // 2
+    tl.store(dst_ptr + row * stride_d + dst, v.to(tl.float32), mask=ok)
+
+
+def gemv_splits(blocks: int, col_tiles: int, k_steps: int, n_sms: int) -> int:
+    """K splits of w13 so its grid has about 2 programs per SM, each with >= 8 steps."""
+    want = -(-2 * n_sms // (blocks * col_tiles))
+    return max(1, min(want, k_steps // 8, 16))
+
+
+def permute_rows(src: torch.Tensor, topk_weights: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:
+    """Activations in the GEMV's step order (`_permute_kernel`), fp32 (4-byte loads are the
+    ones Triton pipelines): x `[T, K]` -> `[T, K]`; with topk_weights, w13's partials
+    `[S, T*k, 2K]` -> SiLU(gate)*up*weight `[T*k, K]`."""
+    gated = topk_weights is not None
+    rows, k = (src.shape[1], src.shape[2] // 2) if gated else src.shape
+    dst = torch.empty(rows, k, dtype=torch.float32, device=src.device)
+    block = min(1024, triton.next_power_of_2(k))
+    tw = topk_weights if gated else dst
+    _permute_kernel[(rows, triton.cdiv(k, block))](
+        src, dst, tw, src.stride(0) if gated else 0, src.stride(-2), dst.stride(0), k, splits,
+        GATED=gated, SP=triton.next_power_of_2(splits), BLOCK=block, num_warps=4)
+    return dst
+
+
+def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids: torch.Tensor, routing,
+         n_assign: int, a_div: int, cfg, bn: int, split: int) -> torch.Tensor:
+    """One INT4 GEMM on the CUDA cores: permuted activations `a` -> fp32 `[split, n_assign, N]`
+    (rows of each assignment, one slice per K split; `routing` None = one block per assignment)."""
+    k, n = w.shape[1] * 16, w.shape[2] // 2
+    k_steps = k // STEP
+    per_split = triton.cdiv(k_steps, split)
+    split = triton.cdiv(k_steps, per_split)
+    out = torch.empty(split, n_assign, n, dtype=torch.float32, device=a.device)
+    blocks = n_assign if routing is None else routing[1].numel()
+    route = (ids,) * 4 if routing is None else routing
+    _gemv_kernel[(blocks, n // bn, split)](
+        a, w, scales, ids, *route, out,
+        a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
+        a_div, group, per_split, k_steps,
+        BM=cfg.block_m, BN=bn, PER_CHANNEL=k == group, num_warps=cfg.num_warps, NUM_STAGES=cfg.num_stages)
+    return out
+
+
+def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg,
+                   n_sms: int = 132) -> torch.Tensor:
+    """x `[T, H]`, routing `[T, k]`, `MarlinMoE` -> `[T, H]` in x's dtype, on the CUDA cores.
+
+    cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting), block_n13,
+    block_n2 (multiples of 64), split_k (0: `gemv_splits`), num_warps, num_stages.
+    Launches: permute x, w13 (K split), SiLU*up*weight permuted, w2, sum over k.
+    """
+    t, k = topk_ids.shape
+    h, i = w.hidden, w.inter
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    routing = None if cfg.block_m == 1 else align_tokens(topk_ids, w.n_experts, cfg.block_m)
+    blocks = t * k if routing is None else routing[1].numel()
+    split = cfg.split_k or gemv_splits(blocks, 2 * i // cfg.block_n13, h // STEP, n_sms)
+    mid = gemv(permute_rows(x), w.w13, w.w13_scale, w.group_size, ids, routing, t * k, k, cfg,
+               cfg.block_n13, split)                                              # [S, T*k, 2I]
+    act = permute_rows(mid, topk_weights.reshape(-1).float().contiguous(), mid.shape[0])   # [T*k, I]
+    y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)
+    return y.view(t, k, h).sum(1).to(x.dtype)                                     # [T, H]
