@@ -45,6 +45,23 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _work_split(plen_ptr, B, T, P, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Split every stream's live KV (prefix + T) into chunks of one common size, chosen on
+    the device from the total live length so that all streams together make at most P + B
+    work items (chunk >= MIN_CHUNK, a multiple of BLOCK_N). Returns, per stream ([BB],
+    zero-padded): live length, number of chunks, index of its first work item; and the
+    chunk size."""
+    sb = tl.arange(0, BB)
+    sok = sb < B
+    lens = tl.load(plen_ptr + sb, mask=sok, other=0).to(tl.int32) + tl.where(sok, T, 0)   # [BB]
+    chunk = tl.cdiv(tl.cdiv(tl.sum(lens, axis=0), P), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(chunk, MIN_CHUNK)
+    n_chunks = tl.cdiv(lens, chunk)                                                         # [BB]
+    first = tl.cumsum(n_chunks, axis=0) - n_chunks                                          # [BB]
+    return lens, n_chunks, first, chunk
+
+
+@triton.jit
 def _mla_split_kernel(
     # queries [B, T, H, DL] and [B, T, H, DR] (last dim contiguous)
     q_lat_ptr, q_rope_ptr, sq_b, sq_t, sq_h, sr_b, sr_t, sr_h,
@@ -52,26 +69,38 @@ def _mla_split_kernel(
     ckv_ptr, kpe_ptr, sc_b, sc_s, sk_b, sk_s,
     # per stream: prefix length [B]; visibility among the new tokens uint8 [B, T, T]
     plen_ptr, vis_ptr, sv_b, sv_t,
-    # partials fp32: acc [B, NS, R, DL], running max and sum [B, NS, R]  (DIRECT: unused)
+    # partials fp32 per work item: acc [W, R, DL], running max and sum [W, R]  (DIRECT: unused)
     o_part_ptr, m_part_ptr, l_part_ptr,
     # DIRECT: final output [B, T, H, DL]
     out_ptr, so_b, so_t, so_h,
     # sizes
-    T, H, R, NS, chunk, qk_scale,       # R = T*H query rows; chunk = KV positions per split
-    DL: tl.constexpr, DR: tl.constexpr,
+    B, T, H, R, P, qk_scale,           # R = T*H query rows; P = target number of work items
+    DL: tl.constexpr, DR: tl.constexpr, BB: tl.constexpr, MIN_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Program (query block, split, stream): BLOCK_M query rows (row = t*H + h) against KV
-    positions [split*chunk, min((split+1)*chunk, prefix+T)) with an online softmax in
-    base 2; writes unnormalized acc + (max, sum) for `_mla_combine_kernel`, or with
-    DIRECT (one split) the normalized output."""
-    mb, sp, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program (query block, work item): BLOCK_M query rows (row = t*H + h) against one
+    chunk [start, end) of one stream's live KV, online softmax in base 2; writes the
+    unnormalized acc + (max, sum) of work item w for `_mla_combine_kernel`. Work item w
+    belongs to the stream whose chunks (numbered stream after stream, `_work_split`) hold
+    it; items past the last chunk do nothing. DIRECT: work item = stream, whole live KV,
+    normalized output."""
+    mb, w = tl.program_id(0), tl.program_id(1)
+    if DIRECT:
+        b = w
+        kv_len = tl.load(plen_ptr + b).to(tl.int32) + T
+        start = kv_len * 0
+        end = kv_len
+    else:
+        lens, n_chunks, first, chunk = _work_split(plen_ptr, B, T, P, BB, BLOCK_N, MIN_CHUNK)
+        sb = tl.arange(0, BB)
+        b = tl.sum((first + n_chunks <= w).to(tl.int32), axis=0)     # padding ends at the total
+        b = tl.minimum(b, B - 1)                                      # w past the total: empty range
+        kv_len = tl.sum(tl.where(sb == b, lens, 0), axis=0)
+        start = (w - tl.sum(tl.where(sb == b, first, 0), axis=0)) * chunk
+        end = tl.minimum(start + chunk, kv_len)
     b64 = b.to(tl.int64)
-    plen = tl.load(plen_ptr + b).to(tl.int32)
-    kv_len = plen + T
-    start = sp * chunk
-    end = tl.minimum(start + chunk, kv_len)
+    plen = kv_len - T
 
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rok = rows < R
@@ -116,8 +145,8 @@ def _mla_split_kernel(
         tl.store(out_ptr + b64 * so_b + t[:, None] * so_t + h[:, None] * so_h + dl[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=rok[:, None])
     else:
-        live = rok & ((rows * 0 + start) < kv_len)
-        part = (b64 * NS + sp) * R + rows                                                     # [BM]
+        live = rok & ((rows * 0 + start) < end)
+        part = w.to(tl.int64) * R + rows                                                      # [BM]
         tl.store(o_part_ptr + part[:, None] * DL + dl[None, :], acc, mask=live[:, None])
         tl.store(m_part_ptr + part, m_i, mask=live)
         tl.store(l_part_ptr + part, l_i, mask=live)
@@ -125,18 +154,21 @@ def _mla_split_kernel(
 
 @triton.jit
 def _mla_combine_kernel(
-    o_part_ptr, m_part_ptr, l_part_ptr,   # fp32 [B, NS, R, DL], [B, NS, R], [B, NS, R]
+    o_part_ptr, m_part_ptr, l_part_ptr,   # fp32 [W, R, DL], [W, R], [W, R]
     plen_ptr,
     out_ptr, so_b, so_t, so_h,            # [B, T, H, DL]
-    T, H, R, NS, chunk,
-    DL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    B, T, H, R, P,
+    DL: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Program (query block, latent block, stream): merge the splits that hold any of this
-    stream's KV, BLOCK_S splits per load so the loads are wide, not a chain of small ones."""
+    """Program (query block, latent block, stream): merge the stream's work items (the same
+    `_work_split` as the split kernel) in one online pass, BLOCK_S items per load (one
+    load for up to BLOCK_S chunks: no chain of small dependent loads)."""
     mb, db, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b64 = b.to(tl.int64)
-    kv_len = tl.load(plen_ptr + b).to(tl.int32) + T
-    n_split = tl.minimum((kv_len + chunk - 1) // chunk, NS)
+    lens, n_chunks, first, chunk = _work_split(plen_ptr, B, T, P, BB, BLOCK_N, MIN_CHUNK)
+    sb = tl.arange(0, BB)
+    w0 = tl.sum(tl.where(sb == b, first, 0), axis=0).to(tl.int64)
+    n_split = tl.sum(tl.where(sb == b, n_chunks, 0), axis=0)
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rok = rows < R
     t = rows // H
@@ -144,22 +176,23 @@ def _mla_combine_kernel(
     dl = db * BLOCK_D + tl.arange(0, BLOCK_D)
     sp = tl.arange(0, BLOCK_S)
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s0 in range(0, n_split, BLOCK_S):
-        ok = ((s0 + sp) < n_split)[:, None] & rok[None, :]                                 # [BS, BM]
-        part = (b64 * NS + s0 + sp)[:, None] * R + rows[None, :]
-        m_all = tl.maximum(m_all, tl.max(tl.load(m_part_ptr + part, mask=ok, other=float("-inf")), axis=0))
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     l_all = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for s0 in range(0, n_split, BLOCK_S):
         ok = ((s0 + sp) < n_split)[:, None] & rok[None, :]                                 # [BS, BM]
-        part = (b64 * NS + s0 + sp)[:, None] * R + rows[None, :]
-        w = tl.exp2(tl.load(m_part_ptr + part, mask=ok, other=float("-inf")) - m_all[None, :])
-        l_all += tl.sum(w * tl.load(l_part_ptr + part, mask=ok, other=0.0), axis=0)
+        part = (w0 + s0 + sp)[:, None] * R + rows[None, :]                                 # [BS, BM]
+        m = tl.load(m_part_ptr + part, mask=ok, other=float("-inf"))
+        l = tl.load(l_part_ptr + part, mask=ok, other=0.0)
         o = tl.load(o_part_ptr + part[:, :, None] * DL + dl[None, None, :], mask=ok[:, :, None], other=0.0)
-        acc += tl.sum(w[:, :, None] * o, axis=0)                                           # [BM, BD]
+        m_new = tl.maximum(m_all, tl.max(m, axis=0))                                       # [BM]
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_all - m_safe)
+        w = tl.exp2(m - m_safe[None, :])                                                   # [BS, BM]
+        l_all = l_all * alpha + tl.sum(w * l, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=0)                     # [BM, BD]
+        m_all = m_new
     o = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]         # l = 0 only on padding rows
-    tl.store(out_ptr + b64 * so_b + t[:, None] * so_t + h[:, None] * so_h + dl[None, :],
+    tl.store(out_ptr + b.to(tl.int64) * so_b + t[:, None] * so_t + h[:, None] * so_h + dl[None, :],
              o.to(out_ptr.dtype.element_ty), mask=rok[:, None])
 
 
@@ -172,19 +205,29 @@ def _n_sm(device: torch.device) -> int:
 def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
                   prefix_len: torch.Tensor, visible: torch.Tensor, scale: float, *,
                   block_m: int | None = None, block_n: int | None = None, num_splits: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  waves: float | None = None, min_chunk: int | None = None) -> torch.Tensor:
     """Triton MLA attention with `mla_attention_ref`'s signature and semantics.
 
     q_lat `[B, T, H, L]`, q_rope `[B, T, H, R]`, ckv `[B, S, L]`, kpe `[B, S, R]`, prefix_len
     int `[B]`, visible bool `[B, T, T]` -> `[B, T, H, L]` in q's dtype. Stream b attends to
     its prefix_len[b] cached positions plus the new tokens at prefix_len[b].. that
-    `visible` allows (tree verify; T=1 decode; causal `visible` for prefill). Flash-decoding:
-    the KV range [0, S) is cut into splits (sized from S, so no host sync) run in parallel
-    and merged by a second kernel; splits past a stream's length exit at once. L and R
-    must be powers of two (512 and 64 on K2.6). The keyword knobs override the heuristics.
+    `visible` allows (tree verify; T=1 decode; causal `visible` for prefill). S (the cache
+    capacity) may be far larger than the live lengths: only prefix + T positions are read,
+    and the work is sized from the live lengths, not from S.
+
+    Flash-decoding without a host sync (CUDA-graph safe): the grid has a fixed number of
+    work items, P + B, with P = `waves` x SMs / query blocks (default 2: two programs per
+    SM). The kernel reads `prefix_len` on the device and cuts the live KV of all streams
+    into chunks of one size (at least `min_chunk` positions, default 256) so that they fill
+    at most those items; streams of different lengths get different numbers of chunks,
+    surplus items exit at once, and a second kernel merges each stream's chunks.
+    `num_splits` = n sets P = n x B instead (n = 1: one program per stream, no merge).
+    L and R must be powers of two (512 and 64 on K2.6). The keyword knobs override the
+    heuristics (tuned on the H200: `docs/notes/tree.md`).
     """
     b, t, h, dl = q_lat.shape
-    s_len, dr = ckv.shape[1], kpe.shape[-1]
+    dr = kpe.shape[-1]
     for x in (q_lat, q_rope, ckv, kpe):
         if x.stride(-1) != 1:
             raise ValueError("mla_attention needs the last dim of q and the cache contiguous")
@@ -192,44 +235,53 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         raise ValueError(f"latent {dl} and rope {dr} dims must be powers of two")
     rows = t * h
     dev = q_lat.device
+    small = rows <= 16                                 # decode / tiny tree: bandwidth-bound
     if block_m is None:
-        block_m = 16 if rows <= 16 else 32
+        block_m = 16 if small else 32
     if block_n is None:
-        block_n = 64 if dl >= 256 else 32
+        block_n = 32 if small or dl < 256 else 64
     if num_warps is None:
         num_warps = 4 if block_m <= 16 else 8
     if num_stages is None:
-        num_stages = 2
+        num_stages = 3 if small else 2                 # 32 x 576 bf16 tiles: 2 in flight, 2 programs/SM
+    if min_chunk is None:
+        min_chunk = 256 if num_splits is None else block_n
+    min_chunk = triton.cdiv(min_chunk, block_n) * block_n
     n_mb = triton.cdiv(rows, block_m)
-    if num_splits is None:
-        num_splits = max(1, min(2 * _n_sm(dev) // (b * n_mb), triton.cdiv(s_len, 4 * block_n)))
-    chunk = triton.cdiv(triton.cdiv(s_len, num_splits), block_n) * block_n
-    ns = triton.cdiv(s_len, chunk)
-    direct = ns == 1
+    if num_splits is not None:
+        n_work = num_splits * b
+    else:
+        n_work = max(b, int((2.0 if waves is None else waves) * _n_sm(dev)) // n_mb)
+    direct = n_work <= b
     out = torch.empty(b, t, h, dl, dtype=q_lat.dtype, device=dev)
     vis = visible if visible.stride(-1) == 1 else visible.contiguous()
     vis = vis.view(torch.uint8)
+    n_prog = b if direct else n_work + b               # chunks never exceed P + B (see _work_split)
     if direct:
         o_part = m_part = l_part = out                 # unused
     else:
-        o_part = torch.empty(b, ns, rows, dl, dtype=torch.float32, device=dev)
-        m_part = torch.empty(b, ns, rows, dtype=torch.float32, device=dev)
-        l_part = torch.empty(b, ns, rows, dtype=torch.float32, device=dev)
+        o_part = torch.empty(n_prog, rows, dl, dtype=torch.float32, device=dev)
+        m_part = torch.empty(n_prog, rows, dtype=torch.float32, device=dev)
+        l_part = torch.empty(n_prog, rows, dtype=torch.float32, device=dev)
     prec = "ieee" if q_lat.dtype == torch.float32 else "tf32"
     plen = prefix_len if prefix_len.device == dev else prefix_len.to(dev)
-    _mla_split_kernel[(n_mb, ns, b)](
+    bb = triton.next_power_of_2(b)
+    _mla_split_kernel[(n_mb, n_prog)](
         q_lat, q_rope, q_lat.stride(0), q_lat.stride(1), q_lat.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         ckv, kpe, ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1),
         plen, vis, vis.stride(0), vis.stride(1),
         o_part, m_part, l_part,
         out, out.stride(0), out.stride(1), out.stride(2),
-        t, h, rows, ns, chunk, scale * LOG2E,
-        DL=dl, DR=dr, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, PREC=prec,
-        num_warps=num_warps, num_stages=num_stages)
+        b, t, h, rows, n_work, scale * LOG2E,
+        DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
+        PREC=prec, num_warps=num_warps, num_stages=num_stages)
     if not direct:
-        bm, bd = min(16, triton.next_power_of_2(rows)), min(64, dl)
+        # [BLOCK_S, BM, BD] fp32 partials per load: 8192 values = 64 registers a thread at 4 warps
+        bm, bd = min(16, triton.next_power_of_2(rows)), min(32, dl)
+        bs = max(2, min(32, 8192 // (bm * bd)))
         _mla_combine_kernel[(triton.cdiv(rows, bm), dl // bd, b)](
             o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
-            t, h, rows, ns, chunk, DL=dl, BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=8, num_warps=4)
+            b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk,
+            BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, num_warps=4)
     return out

@@ -81,6 +81,31 @@ def test_ignores_cache_past_the_new_tokens():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+WORK_CASES = [  # streams, new tokens, heads, cache len S, prefix per stream, knobs
+    (1, 1, 4, 300, [250], dict(min_chunk=16)),                      # one stream, many chunks
+    (5, 1, 2, 400, [3, 390, 0, 64, 150], dict(min_chunk=16)),        # S >> most prefixes, B not 2^k
+    (5, 3, 2, 400, [3, 390, 0, 64, 150], dict(min_chunk=16, waves=9.0)),  # > BLOCK_S chunks to merge
+    (4, 2, 4, 512, [40, 7, 33, 20], {}),                             # default heuristic, S >> live
+    (3, 1, 2, 256, [200, 10, 120], dict(num_splits=4, block_n=16)),
+]
+
+
+@pytest.mark.parametrize("case", WORK_CASES, ids=[f"b{c[0]}t{c[1]}s{c[3]}-{i}" for i, c in enumerate(WORK_CASES)])
+def test_work_split_by_live_length(case):
+    """Chunks come from the live lengths (prefix + T) on the device, not from the cache
+    capacity S: long and short streams side by side, streams with no prefix, S far past
+    every live length, more chunks than one combine load holds."""
+    b, t, h, s_len, plens, kw = case
+    gen = torch.Generator().manual_seed(s_len + b + t)
+    q_lat, q_rope, ckv, kpe, plen = make(b, t, h, s_len, plens, 32, 8, torch.float32, gen)
+    vis = tree_visible(b, t, gen)
+    for x, p in zip(ckv, plens):
+        x[p + t:] = float("nan")                       # past the live KV: must never be read
+    ref = mla_attention_ref(q_lat, q_rope, torch.nan_to_num(ckv), kpe, plen, vis, 0.15)
+    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.15, block_n=kw.pop("block_n", 16), **kw)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp16: interpreter tests
 @pytest.mark.parametrize("t,h", [(1, 8), (17, 8), (65, 8), (1, 64), (33, 64)])
@@ -94,3 +119,24 @@ def test_gpu_k26_dims(t, h, dtype):
     ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, scale)
     out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale)
     torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_follows_prefix_len():
+    """Captured once in a CUDA graph with the cache allocated far past the live lengths (as
+    the engine does), then replayed after prefix_len changes: the split is re-derived on
+    the device each replay and the output matches the reference."""
+    gen = torch.Generator().manual_seed(5)
+    b, t, h, s_len = 10, 1, 8, 32768 + 64
+    q_lat, q_rope, ckv, kpe, plen = make(b, t, h, s_len, [100] * b, 512, 64, torch.bfloat16, gen, "cuda")
+    vis = torch.ones(b, t, t, dtype=torch.bool, device="cuda")
+    scale = 192 ** -0.5
+    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale)       # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale)
+    for plens in ([100] * b, torch.randint(1, 32768, (b,), generator=gen).tolist(), [8192] * b):
+        plen.copy_(torch.tensor(plens))
+        g.replay()
+        ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, scale)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -2,15 +2,17 @@
 # DDTree kernels on one H200 (issue 5). Steps, each independent:
 #   1. GPU tests: bf16/fp32 builder == heap reference at budgets 64/512/1024 (with ties),
 #      topk -> build -> accept -> commit captured in one CUDA graph, attention == reference
-#      at K2.6 dims (512 + 64) for T = 1..65, 8 and 64 heads.
+#      at K2.6 dims (512 + 64) for T = 1..65, 8 and 64 heads, and attention captured in a CUDA
+#      graph with a 32k cache replayed after prefix_len changes (split re-derived on the device).
 #   2. ddbench tree-bench sweep: budgets 16..1024 x streams 1/10/32; attention over
-#      streams x prefix 1k/8k/32k x heads 8/64 x T (1 and budget + 1), capped at 3 TFLOP a call.
-#   3. ddbench tree-bench --tune: knob variants of attention (10 streams x 8k) and builder warps,
-#      to pick defaults from data (the defaults were set without a GPU sweep).
+#      streams x prefix 1k/8k/32k x heads 8/64 x T (1 and budget + 1), capped at 3 TFLOP a call,
+#      timed in a CUDA graph over 4 cold cache copies (as the engine runs it).
+#   3. ddbench tree-bench --tune: knob variants of attention (10 streams x 8k, CUDA graph, cold
+#      KV) and builder warps.
 #   4. summary of the targets: builder budget 512 x 10 streams; attention 8 heads x 10 streams
 #      x 8k at >= 60% of copy bandwidth (T = 1); accept + commit < 20 us for 10 streams.
-# Expected runtime: about 3 minutes (tests ~65 s incl. Triton compiles, sweep ~60 s, tune ~55 s);
-# each step has its own timeout (90 + 90 + 60 s), so at most 4 minutes.
+# Expected runtime: about 3.5 minutes (tests ~70 s incl. Triton compiles, sweep ~80 s, tune ~50 s);
+# each step has its own timeout (80 + 100 + 55 s), so at most 4 minutes.
 # Writes results/h200/tree_bench_h200_<stamp>.{csv,json}, tree_tune_h200_<stamp>.{csv,json} and a
 # log; copies them to $OUT/tree/ if $OUT is set. Run from the repo root: bash scripts/gpu/tree.sh
 cd "$(dirname "$0")/../.." || exit 1
@@ -24,15 +26,15 @@ NAME=tree_bench_h200_$STAMP
 TUNE=tree_tune_h200_$STAMP
 
 echo "== 1. GPU tests ==" | tee "$LOG"
-timeout 90 $PY -m pytest -q -m gpu tests/test_ddtree.py tests/test_mla_attn.py -p no:cacheprovider 2>&1 \
+timeout 80 $PY -m pytest -q -m gpu tests/test_ddtree.py tests/test_mla_attn.py -p no:cacheprovider 2>&1 \
   | tail -25 | tee -a "$LOG" || echo "FAILED step: gpu tests" | tee -a "$LOG"
 
 echo "== 2. tree-bench sweep ==" | tee -a "$LOG"
-timeout 90 $PY -m ddbench tree-bench --budgets 16,64,256,512,1024 --out "$RES" --name "$NAME" 2>&1 \
+timeout 100 $PY -m ddbench tree-bench --budgets 16,64,256,512,1024 --reps 10 --out "$RES" --name "$NAME" 2>&1 \
   | tail -45 | tee -a "$LOG" || echo "FAILED step: tree-bench sweep" | tee -a "$LOG"
 
 echo "== 3. tree-bench --tune ==" | tee -a "$LOG"
-timeout 60 $PY -m ddbench tree-bench --tune --out "$RES" --name "$TUNE" 2>&1 \
+timeout 55 $PY -m ddbench tree-bench --tune --out "$RES" --name "$TUNE" 2>&1 \
   | tail -40 | tee -a "$LOG" || echo "FAILED step: tree-bench --tune" | tee -a "$LOG"
 
 echo "== 4. summary ==" | tee -a "$LOG"
