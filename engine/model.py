@@ -14,7 +14,6 @@ are INT4 in Marlin layout and run through `kernels.moe.fused_moe`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
@@ -25,6 +24,7 @@ from engine.phases import phase
 from engine.rope import rope_cos_sin, yarn_freqs
 from kernels import fused_ops
 from kernels.moe import MarlinMoE, fused_moe, route
+from kernels.skinny import linear
 
 
 class Ops:
@@ -45,7 +45,7 @@ class Ops:
         gate GEMM in the model dtype (fp32 accumulate) and fuses sigmoid/top-k/renorm."""
         if self.kind == "torch":
             return route(x, gate, bias, top_k, scaling)
-        return fused_ops.route(F.linear(x, gate), bias, top_k, scaling)
+        return fused_ops.route(linear(x, gate), bias, top_k, scaling)
 
 
 class RMSNorm(nn.Module):
@@ -133,8 +133,7 @@ class MLP(nn.Module):
         act = self.ops.silu_mul(self.w13(x))                                   # [.., 2I/tp] -> [.., I/tp]
         if add is None:
             return self.w2(act, reduce=reduce)                                 # [.., H]
-        y = torch.addmm(add.reshape(-1, add.shape[-1]), act.reshape(-1, act.shape[-1]),
-                        self.w2.weight.t()).view(add.shape)                   # add + act W2^T
+        y = linear(act, self.w2.weight, add=add)                               # add + act W2^T
         return self.w2.comm.all_reduce(y) if reduce else y
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.phases import phase
+from kernels.skinny import linear
 
 
 class Comm:
@@ -125,7 +126,7 @@ class Linear(nn.Module):
         self.weight = _weight(out_f, in_f, device, dtype)
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -138,7 +139,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _weight(out_f // comm.tp, in_f, device, dtype)
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -153,7 +154,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _weight(out_f, in_f // comm.tp, device, dtype)
 
     def forward(self, x, reduce: bool = True):
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         return self.comm.all_reduce(y) if reduce else y
 
 
@@ -195,5 +196,5 @@ class ParallelLMHead(nn.Module):
         self.weight = _weight(vocab // comm.tp, hidden, device, dtype)
 
     def forward(self, h):
-        logits = F.linear(h, self.weight).float()   # [.., vocab/tp]
+        logits = linear(h, self.weight).float()   # [.., vocab/tp]
         return self.comm.all_gather(logits, dim=-1)  # [.., vocab]

@@ -13,12 +13,13 @@ Word `[kt, nb*128 + (4g + t)*4 + tile]` holds nibbles i = 4*kodd + 2*bn + bk: K 
 columns j = (nb, g, tile). Dequantization without shifts: `(w & (0xF << 4i)) | 0x4B000000`
 read as fp32 is 2^23 + 16^i q exactly (for i <= 4; nibbles 5-7 after one `w >> 20`), so one
 AND-OR and one subtraction give 16^i (q - 8); the 16^-i goes into the activation instead.
-The activations are first permuted (fp32) so that each step's 4 x 8 values are contiguous:
+The activations are first permuted (fp32, each twice, premultiplied by 16^-i) so that each
+step's 8 x 8 values are contiguous:
 then every load in the loop is 4-byte and contiguous, which Triton pipelines with cp.async.
 
 Launches (`fused_moe_gemv`): permute x; w13 (one program per row block, column tile and K
 split; fp32 partial sums per split); SiLU(gate) * up * top-k weight, permuted; w2 (one row
-per assignment); sum over k. `block_m == 1`: a row block is one assignment, no sorting;
+per assignment); sum over k and cast. `block_m == 1`: a row block is one assignment, no sorting;
 `block_m > 1`: assignments sorted by expert (`moe_triton.align_tokens`), so an expert's words
 are read once for its rows.
 """
@@ -40,11 +41,12 @@ def _nib(w, MASK: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _word_dot(w, xa, xb, xc, xd):
+def _word_dot(w, v0, v1, v2, v3, v4, v5, v6, v7):
     """Words `[8, C]` times activations -> (lo, hi) `[BM, 8, C]`.
 
-    xa..xd `[BM, 8]` are row r's activations at K offsets 2t, 2t+8, 2t+1, 2t+9 of its k-tile;
-    lo is column g of each word's pair, hi column g + 8 (still to be summed over the 8 rows).
+    v_i `[BM, 8]` is row r's activation for nibble i, premultiplied by 16^-i' where 16^i'
+    is the factor nibble i comes out with (`permute_rows`); lo is column g of each word's
+    pair, hi column g + 8 (still to be summed over the 8 rows).
     """
     M: tl.constexpr = 8388608.0                               # 2^23
     hi_w = w >> 20                                            # nibbles 5..7 at bits 0..11
@@ -56,9 +58,8 @@ def _word_dot(w, xa, xb, xc, xd):
     f5 = _nib(hi_w, 0xF, M + 8.0)[None, :, :]                 # (2t+9, g)     x 1
     f6 = _nib(hi_w, 0xF0, M + 128.0)[None, :, :]              # (2t+1, g+8)   x 16
     f7 = _nib(hi_w, 0xF00, M + 2048.0)[None, :, :]            # (2t+9, g+8)   x 256
-    xa, xb, xc, xd = xa[:, :, None], xb[:, :, None], xc[:, :, None], xd[:, :, None]
-    lo = xa * f0 + (xb * 0.0625) * f1 + (xc * 1.52587890625e-05) * f4 + xd * f5
-    hi = (xa * 0.00390625) * f2 + (xb * 0.000244140625) * f3 + (xc * 0.0625) * f6 + (xd * 0.00390625) * f7
+    lo = v0[:, :, None] * f0 + v1[:, :, None] * f1 + v4[:, :, None] * f4 + v5[:, :, None] * f5
+    hi = v2[:, :, None] * f2 + v3[:, :, None] * f3 + v6[:, :, None] * f6 + v7[:, :, None] * f7
     return lo, hi
 
 
@@ -86,17 +87,22 @@ def _scales(s_row, sc_pair, PER_CHANNEL: tl.constexpr, n_lo):
 
 
 @triton.jit
-def _step(acc_lo, acc_hi, a_ptrs, a_mask, w_e, s_e, k0, wrow, wcol, sc_pair, n_lo, stride_wk, stride_sg, GROUP,
+def _step(acc_lo, acc_hi, a_ptrs, a_mask, w_e, s_e, ks, wrow, wcol, sc_pair, n_lo, stride_wk, stride_sg, GROUP,
           PER_CHANNEL: tl.constexpr):
-    """acc `[BM, 8, C]` += one 32-row step at K row k0: activations from the permuted rows
-    `a_ptrs` `[BM, 8]` (this step's 4 x 8 values), words of the expert, group scales."""
-    xa = tl.load(a_ptrs + k0, mask=a_mask, other=0.0)                             # [BM, 8]
-    xb = tl.load(a_ptrs + k0 + 8, mask=a_mask, other=0.0)
-    xc = tl.load(a_ptrs + k0 + 16, mask=a_mask, other=0.0)
-    xd = tl.load(a_ptrs + k0 + 24, mask=a_mask, other=0.0)
-    w = tl.load(w_e + (k0 // 16) * stride_wk + wrow[:, None] + wcol[None, :])    # [8, C] int32
-    s_lo, s_hi = _scales(s_e + (k0 // GROUP) * stride_sg, sc_pair, PER_CHANNEL, n_lo)
-    lo, hi = _word_dot(w, xa, xb, xc, xd)
+    """acc `[BM, 8, C]` += one 32-row step (K rows 32ks..): activations from the permuted
+    rows `a_ptrs` `[BM, 8]` (this step's 8 x 8 values), words of the expert, group scales."""
+    a = a_ptrs + ks * 64
+    v0 = tl.load(a, mask=a_mask, other=0.0)                                       # [BM, 8]
+    v1 = tl.load(a + 8, mask=a_mask, other=0.0)
+    v2 = tl.load(a + 16, mask=a_mask, other=0.0)
+    v3 = tl.load(a + 24, mask=a_mask, other=0.0)
+    v4 = tl.load(a + 32, mask=a_mask, other=0.0)
+    v5 = tl.load(a + 40, mask=a_mask, other=0.0)
+    v6 = tl.load(a + 48, mask=a_mask, other=0.0)
+    v7 = tl.load(a + 56, mask=a_mask, other=0.0)
+    w = tl.load(w_e + (2 * ks) * stride_wk + wrow[:, None] + wcol[None, :])      # [8, C] int32
+    s_lo, s_hi = _scales(s_e + (32 * ks // GROUP) * stride_sg, sc_pair, PER_CHANNEL, n_lo)
+    lo, hi = _word_dot(w, v0, v1, v2, v3, v4, v5, v6, v7)
     return acc_lo + lo * s_lo, acc_hi + hi * s_hi
 
 
@@ -141,7 +147,7 @@ def _gemv_kernel(
     acc_hi = tl.zeros([BM, 8, BN // 2], tl.float32)
     k_first = pid_k * STEPS_PER_SPLIT
     for ks in tl.range(k_first, tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT), num_stages=NUM_STAGES):
-        acc_lo, acc_hi = _step(acc_lo, acc_hi, a_ptrs, valid[:, None], w_e, s_e, ks * 32, wrow, wcol, sc_pair,
+        acc_lo, acc_hi = _step(acc_lo, acc_hi, a_ptrs, valid[:, None], w_e, s_e, ks, wrow, wcol, sc_pair,
                                n_lo, stride_wk, stride_sg, GROUP, PER_CHANNEL)
     out = out_ptr + pid_k.to(tl.int64) * stride_os + assign.to(tl.int64)[:, None] * stride_oa
     _store_cols(out, acc_lo, acc_hi, n_lo, valid)
@@ -154,10 +160,12 @@ def _permute_kernel(
     K, SPLITS,
     GATED: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Row `pid` of src -> dst in the step order the GEMV reads: value k goes to
-    32 * (k // 32) + 8 * v + r with r = 4 * kt + t the word row and v = bk + 2 * kodd its
-    nibble pair. GATED: src is w13's fp32 partials `[S, T*k, 2K]`, the row becomes
-    SiLU(sum gate) * sum up * top-k weight (fp32)."""
+    """Row `pid` of src -> dst `[2K]` in the order the GEMV reads: step s = k // 32 holds
+    64 values, 8 per nibble i of a word (`_word_dot`), each premultiplied by the inverse of
+    the factor 16^e that nibble comes out with. K row 16kt + 2t + kodd + 8bk (word row
+    r = 4kt + t, v = bk + 2kodd) feeds nibbles i = v + 2(v // 2) (column g) and i + 2
+    (column g + 8). GATED: src is w13's fp32 partials `[S, T*k, 2K]`, the row becomes
+    SiLU(sum gate) * sum up * top-k weight first."""
     row = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = k < K
@@ -167,12 +175,28 @@ def _permute_kernel(
         m = (sp < SPLITS)[:, None] & ok[None, :]
         g = tl.sum(tl.load(p, mask=m, other=0.0), 0)
         u = tl.sum(tl.load(p + K, mask=m, other=0.0), 0)
-        v = g / (1.0 + tl.exp(-g)) * u * tl.load(topk_w_ptr + row)
+        x = g / (1.0 + tl.exp(-g)) * u * tl.load(topk_w_ptr + row)
     else:
-        v = tl.load(src_ptr + row * stride_sr + k, mask=ok)
+        x = tl.load(src_ptr + row * stride_sr + k, mask=ok).to(tl.float32)
     kk = k % 32
-    dst = (k - kk) + 8 * ((kk % 16) // 8 + 2 * (kk % 2)) + 4 * (kk // 16) + (kk % 8) // 2
-    tl.store(dst_ptr + row * stride_d + dst, v.to(tl.float32), mask=ok)
+    v = (kk % 16) // 8 + 2 * (kk % 2)
+    i_lo = v + 2 * (v // 2)
+    base = dst_ptr + row * stride_d + 64 * (k // 32) + 4 * (kk // 16) + (kk % 8) // 2
+    e_lo = tl.where(v == 1, 1, tl.where(v == 2, 4, 0))                  # nibbles 0, 1, 4, 5
+    e_hi = tl.where(v == 1, 3, tl.where(v == 2, 1, 2))                  # nibbles 2, 3, 6, 7
+    tl.store(base + 8 * i_lo, x * tl.exp2(-4.0 * e_lo.to(tl.float32)), mask=ok)
+    tl.store(base + 8 * (i_lo + 2), x * tl.exp2(-4.0 * e_hi.to(tl.float32)), mask=ok)
+
+
+@triton.jit
+def _sum_k_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum over the k rows of token t in y fp32 `[T*k, H]`, cast to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, KP)
+    y = tl.load(y_ptr + (t * TOP_K + j)[:, None] * H + c[None, :], mask=(j < TOP_K)[:, None] & (c < H)[None, :],
+                other=0.0)
+    tl.store(out_ptr + t * H + c, tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=c < H)
 
 
 def gemv_splits(blocks: int, col_tiles: int, k_steps: int, n_sms: int) -> int:
@@ -183,11 +207,11 @@ def gemv_splits(blocks: int, col_tiles: int, k_steps: int, n_sms: int) -> int:
 
 def permute_rows(src: torch.Tensor, topk_weights: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:
     """Activations in the GEMV's step order (`_permute_kernel`), fp32 (4-byte loads are the
-    ones Triton pipelines): x `[T, K]` -> `[T, K]`; with topk_weights, w13's partials
-    `[S, T*k, 2K]` -> SiLU(gate)*up*weight `[T*k, K]`."""
+    ones Triton pipelines): x `[T, K]` -> `[T, 2K]`; with topk_weights, w13's partials
+    `[S, T*k, 2K]` -> SiLU(gate)*up*weight `[T*k, 2K]`."""
     gated = topk_weights is not None
     rows, k = (src.shape[1], src.shape[2] // 2) if gated else src.shape
-    dst = torch.empty(rows, k, dtype=torch.float32, device=src.device)
+    dst = torch.empty(rows, 2 * k, dtype=torch.float32, device=src.device)
     block = min(1024, triton.next_power_of_2(k))
     tw = topk_weights if gated else dst
     _permute_kernel[(rows, triton.cdiv(k, block))](
@@ -232,5 +256,9 @@ def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     mid = gemv(permute_rows(x), w.w13, w.w13_scale, w.group_size, ids, routing, t * k, k, cfg,
                cfg.block_n13, split)                                              # [S, T*k, 2I]
     act = permute_rows(mid, topk_weights.reshape(-1).float().contiguous(), mid.shape[0])   # [T*k, I]
-    y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)
-    return y.view(t, k, h).sum(1).to(x.dtype)                                     # [T, H]
+    y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(h))
+    _sum_k_kernel[(t, triton.cdiv(h, block))](y, out, h, TOP_K=k, KP=triton.next_power_of_2(k), BLOCK=block,
+                                               num_warps=4)
+    return out

@@ -80,7 +80,7 @@ class MoeTritonConfig:
 # slightly at T = 4096, but lost at T = 1024-2048 with block_m 32 (3891 vs 3366 us,
 # 7480 vs 6563 us): results/h200/moe_sweep_tp8_join.csv against moe_sweep_tp8.csv.
 TILE_TABLE: list[tuple[float, dict]] = [
-    (0.34, dict(gemv=True, block_m=1, block_n13=128, block_n2=128)),
+    (1.9, dict(gemv=True, block_m=1, block_n13=256, block_n2=256)),
     (10.7, dict(block_m=16, block_k13=64, block_k2=64, join=True)),
     (42.7, dict(block_m=32, block_k13=64, block_k2=64)),
     (float("inf"), dict(block_m=64, block_k13=64, block_k2=64, join=True)),

@@ -68,14 +68,21 @@ def test_gemv_matches_reference(tp, tokens, mcfg):
 
 
 def test_gemv_permute_order():
-    """permute_rows puts K row 16kt + 2t + kodd + 8bk of each 32-row step at 8(bk + 2kodd) + 4kt + t."""
+    """permute_rows: K row 16kt + 2t + kodd + 8bk of a 32-row step feeds nibble i (v = bk + 2kodd,
+    i = v + 2(v // 2) for column g, i + 2 for g + 8), stored at 64 * step + 8i + 4kt + t and
+    premultiplied by 16^-e, e the factor exponent of that nibble (0, 1, 2, 3, 4, 0, 1, 2)."""
     from kernels.moe_gemv import permute_rows
     x = torch.randn(3, 64, device=DEV)
     p = permute_rows(x).cpu()
+    assert p.shape == (3, 128)
+    exps = [0, 1, 2, 3, 4, 0, 1, 2]
     for k in range(64):
         kk = k % 32
         kt, bk, t, kodd = kk // 16, (kk % 16) // 8, (kk % 8) // 2, kk % 2
-        assert torch.equal(p[:, k - kk + 8 * (bk + 2 * kodd) + 4 * kt + t], x[:, k].cpu())
+        v = bk + 2 * kodd
+        for i in (v + 2 * (v // 2), v + 2 * (v // 2) + 2):
+            want = x[:, k].cpu() * 16.0 ** -exps[i]
+            assert torch.equal(p[:, 64 * (k // 32) + 8 * i + 4 * kt + t], want)
 
 
 def test_default_config_picks_gemv_for_few_tokens():

@@ -62,6 +62,10 @@ COMMON = {
     "g4_64": dict(gemv=True, block_m=4, block_n13=64, block_n2=64, split_k=0),
     "g4_128": dict(gemv=True, block_m=4, block_n13=128, block_n2=128, split_k=0),
     "g8_64": dict(gemv=True, block_m=8, block_n13=64, block_n2=64, split_k=0),
+    "g1_256_128": dict(gemv=True, block_m=1, block_n13=256, block_n2=128, split_k=0),
+    "g1_512_256": dict(gemv=True, block_m=1, block_n13=512, block_n2=256, split_k=0),
+    "g1_256_sp28": dict(gemv=True, block_m=1, block_n13=256, block_n2=256, split_k=28),
+    "g1_256_sp4": dict(gemv=True, block_m=1, block_n13=256, block_n2=256, split_k=4),
 }
 BM_ALT = {1: [], 16: [], 256: [32], 1024: [16, 64], 4096: [32, 128]}
 # optional narrowing (used by scripts/gpu/moe.sh for a quick look): comma lists

@@ -1,0 +1,94 @@
+"""y = x W^T (+ add) for a few rows of x: the decode-time dense GEMMs, on the CUDA cores.
+
+At concurrency 1 every dense layer is a matrix-vector product: the job is streaming W once
+at the copy bandwidth. cuBLAS picks split-K tensor-core kernels plus a reduce kernel for
+these shapes (docs/notes/decode.md); here each program owns BN rows of W, streams them in
+[BN, BK] tiles (16-byte loads, pipelined), multiplies by the x rows on the CUDA cores in
+fp32 and reduces over BK once, after the loop. Rows of x beyond MAX_ROWS go to `F.linear`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, add_ptr, y_ptr,          # x [M, K]; W [N, K]; add, y [M, N]
+    M, N, K, stride_xm, stride_wn, stride_am, stride_ym,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_ADD: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.arange(0, BM)
+    kk = tl.arange(0, BK)
+    n_ok, m_ok = n < N, m < M
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn                        # [BN, 1]
+    x_rows = x_ptr + m[:, None] * stride_xm                                      # [BM, 1]
+    acc3 = tl.zeros([BM, BN, BK], tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
+        k = k0 + kk
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)  # [BN, BK]
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+        acc3 += x[:, None, :] * w[None, :, :]                                     # [BM, BN, BK]
+    acc = tl.sum(acc3, 2)                                                         # [BM, BN]
+    if HAS_ADD:
+        acc += tl.load(add_ptr + m[:, None] * stride_am + n[None, :], mask=m_ok[:, None] & n_ok[None, :]).to(tl.float32)
+    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def tiles(m: int, n: int, k: int, n_sms: int = 132) -> tuple[int, int, int]:
+    """(BM, BN, BK): BM covers the rows; BN the largest of 16/8/4/2/1 that still gives
+    about 2 programs per SM; BK so that the [BM, BN, BK] product stays at 8192 values."""
+    bm = triton.next_power_of_2(m)
+    bn = 16
+    while bn > 1 and triton.cdiv(n, bn) < 2 * n_sms:
+        bn //= 2
+    bk = min(triton.next_power_of_2(k), max(64, 8192 // (bm * bn)), 1024)
+    return bm, bn, bk
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[.., K]` @ w `[N, K]`^T (+ add `[.., N]`) -> `[.., N]` in x's dtype."""
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if not (x.is_cuda and 0 < rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == x.dtype):
+        if add is None:
+            return F.linear(x, w)
+        return torch.addmm(add.reshape(-1, add.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()).view(add.shape)
+    return skinny_linear(x, w, add)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
+                  tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """The Triton path of `linear`, any device Triton runs on (tests use the interpreter)."""
+    k = x.shape[-1]
+    n = w.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if w.stride(-1) != 1:
+        raise ValueError("skinny_linear needs W with a contiguous last dim")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    a2 = add.reshape(m, n) if add is not None else y
+    bm, bn, bk = tile or tiles(m, n, k, _sms(x.device))
+    _skinny_kernel[(triton.cdiv(n, bn),)](
+        x2, w, a2, y, m, n, k, x2.stride(0), w.stride(0), a2.stride(0), y.stride(0),
+        BM=bm, BN=bn, BK=bk, HAS_ADD=add is not None, NUM_STAGES=num_stages, num_warps=num_warps)
+    return y.view(*x.shape[:-1], n)
+
+
+_SMS: dict = {}
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]

@@ -1,0 +1,48 @@
+"""Few-row dense GEMMs of the K2.6 TP-8 decode step: kernels.skinny vs F.linear (cuBLAS), H200.
+
+python3 scripts/gpu/skinny_bench.py [OUT_DIR]: each shape in CUDA graphs of 20 calls over
+rotated weights (so W comes from DRAM), GB/s of W against the measured copy bandwidth.
+Writes OUT_DIR/skinny_bench.csv and prints a table. About 20 s.
+"""
+import csv
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
+from kernels.skinny import skinny_linear, tiles  # noqa: E402
+
+out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+out.mkdir(parents=True, exist_ok=True)
+dev = torch.device("cuda")
+copy = copy_bandwidth_gbps(dev)
+SHAPES = {"wqkv_a": (2112, 7168), "wq_b": (1536, 1536), "wo": (7168, 1024), "shared_w13": (512, 7168),
+          "shared_w2": (7168, 256), "router": (384, 7168), "dense_w13": (4608, 7168), "dense_w2": (7168, 2304)}
+rows = []
+for (name, (n, k)), m in itertools.product(SHAPES.items(), (1, 2, 4)):
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(20)]
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    want = F.linear(x, ws[0])
+    err = ((skinny_linear(x, ws[0]).float() - want.float()).norm() / want.float().norm()).item()
+    res = {}
+    for label, fn in (("skinny", skinny_linear), ("cublas", F.linear)):
+        it = itertools.cycle(range(20))
+        res[label] = bench(lambda: fn(x, ws[next(it)]), device=dev, graph=True, graph_ops=20, reps=10).median_us
+    gb = n * k * 2 / 1e3
+    rows.append(dict(gemm=name, m=m, n=n, k=k, tile="x".join(map(str, tiles(m, n, k))), skinny_us=round(res["skinny"], 2),
+                     cublas_us=round(res["cublas"], 2), skinny_pct_copy=round(100 * gb / res["skinny"] / copy, 1),
+                     cublas_pct_copy=round(100 * gb / res["cublas"] / copy, 1), rel_err=f"{err:.1e}"))
+    del ws
+with open(out / "skinny_bench.csv", "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+print(f"copy {copy:.0f} GB/s")
+print(f"{'gemm':11s} {'m':>2} {'n':>5} {'k':>5} {'tile':>10} {'skinny_us':>9} {'cublas_us':>9} {'sk%copy':>7} {'cu%copy':>7} {'err':>8}")
+for r in rows:
+    print(f"{r['gemm']:11s} {r['m']:2d} {r['n']:5d} {r['k']:5d} {r['tile']:>10} {r['skinny_us']:9.2f} {r['cublas_us']:9.2f} "
+          f"{r['skinny_pct_copy']:7.1f} {r['cublas_pct_copy']:7.1f} {r['rel_err']:>8}")
