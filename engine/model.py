@@ -24,7 +24,7 @@ from engine.phases import phase
 from engine.rope import rope_cos_sin, yarn_freqs
 from kernels import fused_ops
 from kernels.moe import MarlinMoE, fused_moe, route
-from kernels.skinny import linear
+from kernels.skinny import heads_linear, linear
 
 
 class Ops:
@@ -109,10 +109,10 @@ class MLA(nn.Module):
         self.ops.rope_(q, cos, sin, dn)                                         # rope dims, in place
         q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
         wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]
-        q_lat = torch.einsum("bthd,hdl->bthl", q_nope, wkv_b[:, :dn])          # [B, T, nh, L]
+        q_lat = heads_linear(q_nope, wkv_b[:, :dn].transpose(1, 2))            # [B, T, nh, L]
         o_lat = self.attend(q_lat, q_pe.to(q_lat.dtype), cache.ckv[self.layer], cache.kpe[self.layer],
                             prefix_len, visible, cfg.softmax_scale)             # [B, T, nh, L]
-        o = torch.einsum("bthl,hdl->bthd", o_lat.to(x.dtype), wkv_b[:, dn:])   # [B, T, nh, Dv]
+        o = heads_linear(o_lat.to(x.dtype), wkv_b[:, dn:])                      # [B, T, nh, Dv]
         return self.wo(o.reshape(b, t, nh * dv))                                # [B, T, H]
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.skinny import linear, skinny_linear, tiles
+from kernels.skinny import heads_linear, linear, skinny_bmm, skinny_linear, tiles
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -28,12 +28,33 @@ def test_skinny_keeps_leading_dims_and_picks_tiles():
     assert tiles(4, 16, 64)[1] == 1
 
 
+def test_skinny_bmm_batches_and_strided_weights():
+    """Per-batch W given transposed (unit stride along N), as the MLA query absorption does."""
+    x = torch.randn(3, 2, 40).to(DEV, torch.float16)
+    wt = torch.randn(3, 40, 24).to(DEV, torch.float16)              # [B, K, N] -> view [B, N, K]
+    out = torch.empty(3, 2, 24, dtype=torch.float16, device=DEV)
+    skinny_bmm(x, wt.transpose(1, 2), out)
+    assert torch.allclose(out.float(), x.float() @ wt.float(), atol=2e-2, rtol=2e-3)
+
+
 def test_linear_falls_back_to_torch_off_gpu_or_for_many_rows():
     x = torch.randn(6, 32)
     w = torch.randn(8, 32)
     a = torch.randn(6, 8)
     assert torch.allclose(linear(x, w), x @ w.t(), atol=1e-5)
     assert torch.allclose(linear(x, w, a), a + x @ w.t(), atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 3, 9])
+def test_heads_linear_bf16_mla_shapes(t):
+    q = torch.randn(1, t, 8, 192, device="cuda", dtype=torch.bfloat16)[..., :128]   # q_nope slice
+    wkv_b = torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16) * 0.05
+    for x, w in ((q, wkv_b[:, :128].transpose(1, 2)), (torch.randn(1, t, 8, 512, device="cuda", dtype=torch.bfloat16),
+                                                        wkv_b[:, 128:])):
+        want = torch.einsum("bthk,hnk->bthn", x.float(), w.float())
+        got = heads_linear(x, w)
+        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.mark.gpu
