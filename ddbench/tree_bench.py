@@ -263,11 +263,10 @@ def run(*, budgets, streams, prefixes, heads, topk, positions, dtype, kernels, m
 
 # --tune: knob variants of the two kernels whose defaults were picked without a GPU sweep
 ATTN_VARIANTS = {   # (T, heads) at 10 streams x 8k prefix -> mla_attention keyword overrides
-    (1, 8): [{}, dict(waves=1.5), dict(waves=3.0), dict(block_n=16, num_stages=4, waves=3.0),
-             dict(block_n=32, num_stages=2, waves=3.0), dict(block_n=64, num_stages=2)],
-    (17, 8): [{}, dict(block_m=16, num_warps=4), dict(block_m=64, num_warps=8)],
-    (65, 8): [{}, dict(block_m=64, num_warps=8)],
-    (1, 64): [{}, dict(block_m=64, num_warps=8)],
+    (1, 8): [{}, dict(pdl=True), dict(waves=1.5), dict(block_n=64, num_stages=2), dict(block_n=16, num_stages=6)],
+    (17, 8): [{}, dict(pdl=True), dict(block_m=64, num_warps=8)],
+    (65, 8): [{}],
+    (1, 64): [{}, dict(pdl=True)],
 }
 BUILD_WARPS = (1, 2, 4, 8, 16)
 

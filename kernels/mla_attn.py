@@ -77,14 +77,17 @@ def _mla_split_kernel(
     B, T, H, R, P, qk_scale,           # R = T*H query rows; P = target number of work items
     DL: tl.constexpr, DR: tl.constexpr, BB: tl.constexpr, MIN_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, PREC: tl.constexpr,
+    DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query block, work item): BLOCK_M query rows (row = t*H + h) against one
     chunk [start, end) of one stream's live KV, online softmax in base 2; writes the
     unnormalized acc + (max, sum) of work item w for `_mla_combine_kernel`. Work item w
     belongs to the stream whose chunks (numbered stream after stream, `_work_split`) hold
     it; items past the last chunk do nothing. DIRECT: work item = stream, whole live KV,
-    normalized output."""
+    normalized output. PDL: let the combine kernel (launched with programmatic dependent
+    launch) get resident now; it waits for this grid before reading the partials."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     mb, w = tl.program_id(0), tl.program_id(1)
     if DIRECT:
         b = w
@@ -159,7 +162,7 @@ def _mla_combine_kernel(
     out_ptr, so_b, so_t, so_h,            # [B, T, H, DL]
     B, T, H, R, P,
     DL: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query block, latent block, stream): merge the stream's work items (the same
     `_work_split` as the split kernel) in one online pass, BLOCK_S items per load (one
@@ -169,6 +172,8 @@ def _mla_combine_kernel(
     sb = tl.arange(0, BB)
     w0 = tl.sum(tl.where(sb == b, first, 0), axis=0).to(tl.int64)
     n_split = tl.sum(tl.where(sb == b, n_chunks, 0), axis=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()                       # the split kernel's partials are written
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rok = rows < R
     t = rows // H
@@ -206,7 +211,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
                   prefix_len: torch.Tensor, visible: torch.Tensor, scale: float, *,
                   block_m: int | None = None, block_n: int | None = None, num_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  waves: float | None = None, min_chunk: int | None = None) -> torch.Tensor:
+                  waves: float | None = None, min_chunk: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Triton MLA attention with `mla_attention_ref`'s signature and semantics.
 
     q_lat `[B, T, H, L]`, q_rope `[B, T, H, R]`, ckv `[B, S, L]`, kpe `[B, S, R]`, prefix_len
@@ -223,6 +228,8 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     at most those items; streams of different lengths get different numbers of chunks,
     surplus items exit at once, and a second kernel merges each stream's chunks.
     `num_splits` = n sets P = n x B instead (n = 1: one program per stream, no merge).
+    `pdl=True` launches the merge with programmatic dependent launch (Hopper; its launch
+    overlaps the split kernel's tail; not yet timed on a GPU, so off by default).
     L and R must be powers of two (512 and 64 on K2.6). The keyword knobs override the
     heuristics (tuned on the H200: `docs/notes/tree.md`).
     """
@@ -275,7 +282,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         out, out.stride(0), out.stride(1), out.stride(2),
         b, t, h, rows, n_work, scale * LOG2E,
         DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
-        PREC=prec, num_warps=num_warps, num_stages=num_stages)
+        PREC=prec, PDL=pdl and not direct, num_warps=num_warps, num_stages=num_stages)
     if not direct:
         # [BLOCK_S, BM, BD] fp32 partials per load: 8192 values = 64 registers a thread at 4 warps
         bm, bd = min(16, triton.next_power_of_2(rows)), min(32, dl)
@@ -283,5 +290,5 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         _mla_combine_kernel[(triton.cdiv(rows, bm), dl // bd, b)](
             o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
             b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk,
-            BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, num_warps=4)
+            BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out
