@@ -140,3 +140,25 @@ def test_gpu_graph_replay_follows_prefix_len():
         g.replay()
         ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, scale)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_merge_equals_reference():
+    """Optional knob pdl=True (merge launched with programmatic dependent launch), eager and
+    captured in a CUDA graph, equals the reference."""
+    gen = torch.Generator().manual_seed(8)
+    b, t, h = 10, 1, 8
+    plens = torch.randint(1, 8192, (b,), generator=gen).tolist()
+    q_lat, q_rope, ckv, kpe, plen = make(b, t, h, 8192 + 1, plens, 512, 64, torch.bfloat16, gen, "cuda")
+    vis = torch.ones(b, t, t, dtype=torch.bool, device="cuda")
+    scale = 192 ** -0.5
+    ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, scale)
+    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale, pdl=True)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale, pdl=True)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

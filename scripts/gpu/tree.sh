@@ -8,7 +8,8 @@
 #      streams x prefix 1k/8k/32k x heads 8/64 x T (1 and budget + 1), capped at 3 TFLOP a call,
 #      timed in a CUDA graph over 4 cold cache copies (as the engine runs it).
 #   3. ddbench tree-bench --tune: knob variants of attention (10 streams x 8k, CUDA graph, cold
-#      KV) and builder warps.
+#      KV; last: pdl=True, the merge launched with programmatic dependent launch, never run on
+#      a GPU before; its GPU test is test_gpu_pdl_merge_equals_reference) and builder warps.
 #   4. summary of the targets: builder budget 512 x 10 streams; attention 8 heads x 10 streams
 #      x 8k at >= 60% of copy bandwidth (T = 1); accept + commit < 20 us for 10 streams.
 # Expected runtime: about 3.5 minutes (tests ~70 s incl. Triton compiles, sweep ~80 s, tune ~50 s);
