@@ -4,7 +4,7 @@ At concurrency 1 every dense layer is a matrix-vector product: the job is stream
 at the copy bandwidth. cuBLAS picks split-K tensor-core kernels plus a reduce kernel for
 these shapes (docs/notes/decode.md); here each program owns BN rows of W, streams them in
 [BN, BK] tiles (16-byte loads, pipelined), multiplies by the x rows on the CUDA cores in
-fp32 and reduces over BK once, after the loop. Rows of x beyond MAX_ROWS go to `F.linear`.
+fp32 and reduces over BK once, after the loop. Other shapes go to `F.linear`.
 """
 from __future__ import annotations
 
@@ -55,10 +55,13 @@ def tiles(m: int, n: int, k: int, n_sms: int = 132) -> tuple[int, int, int]:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-    """x `[.., K]` @ w `[N, K]`^T (+ add `[.., N]`) -> `[.., N]` in x's dtype."""
+    """x `[.., K]` @ w `[N, K]`^T (+ add `[.., N]`) -> `[.., N]` in x's dtype.
+
+    The Triton kernel where it beat cuBLAS on the H200 (scripts/gpu/skinny_bench.py,
+    docs/BENCHMARKS.md): at most MAX_ROWS rows and N <= K (long rows of W); cuBLAS else."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if not (x.is_cuda and 0 < rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and w.dtype == x.dtype):
+    if not (x.is_cuda and 0 < rows <= MAX_ROWS and w.shape[0] <= w.shape[1]
+            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype):
         if add is None:
             return F.linear(x, w)
         return torch.addmm(add.reshape(-1, add.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()).view(add.shape)
