@@ -252,7 +252,8 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     if num_stages is None:
         num_stages = 3 if small else 2                 # 32 x 576 bf16 tiles: 2 in flight, 2 programs/SM
     if min_chunk is None:
-        min_chunk = 64 if num_splits is None else block_n  # scripts/gpu/attn_probe.py: 64 is within 5% of the best at 1x8k, 10x1k, 10x8k
+        # 64: within 5% of the best of 32/64/128 at 1x8k, 10x1k, 10x8k (scripts/gpu/attn_probe.py)
+        min_chunk = 64 if num_splits is None else block_n
     min_chunk = triton.cdiv(min_chunk, block_n) * block_n
     n_mb = triton.cdiv(rows, block_m)
     if num_splits is not None:
