@@ -123,6 +123,8 @@ def stage_fns(backend: str, case: Case, w, mcfg, dtype):
 
     from kernels import moe_triton as mt
 
+    if mcfg.gemv:
+        return _gemv_stage_fns(case, w, mcfg, dtype, it)
     k = case.routes[0][0].shape[1]
     aligned = [mt.align_tokens(ids, w.n_experts, mcfg.block_m) for ids, _ in case.routes]
     mids = [mt.triton_w13(x, a, k, w, mcfg) for x, a in zip(case.xs, aligned)]
@@ -138,6 +140,30 @@ def stage_fns(backend: str, case: Case, w, mcfg, dtype):
     def w2():
         r = next(it)
         return mt.triton_w2(mids[r], aligned[r], case.routes[r][1], w, mcfg, dtype)
+    return {"layer": layer, "w13": w13, "w2": w2}
+
+
+def _gemv_stage_fns(case: Case, w, mcfg, dtype, it):
+    """The CUDA-core path's stages (kernels.moe_gemv): w13 includes permuting x; w2 the
+    SiLU*up*weight permute and the sum over k."""
+    from kernels import moe_gemv as mg
+    from kernels import moe_triton as mt
+
+    sms = mt.sm_count(case.xs[0].device)
+    routes = [mg.gemv_routing(ids, w, mcfg) for ids, _ in case.routes]
+    mids = [mg.gemv_w13(x, ids, r, w, mcfg, sms) for x, (ids, _), r in zip(case.xs, case.routes, routes)]
+
+    def layer():
+        r = next(it)
+        return mt.fused_moe_triton(case.xs[r], *case.routes[r], w, mcfg)
+
+    def w13():
+        r = next(it)
+        return mg.gemv_w13(case.xs[r], case.routes[r][0], routes[r], w, mcfg, sms)
+
+    def w2():
+        r = next(it)
+        return mg.gemv_w2(mids[r], *case.routes[r], routes[r], w, mcfg, dtype)
     return {"layer": layer, "w13": w13, "w2": w2}
 
 

@@ -239,26 +239,43 @@ def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids
     return out
 
 
+def gemv_routing(topk_ids: torch.Tensor, w, cfg):
+    """None (block_m 1: one row block per assignment) or `align_tokens`' sorted routing."""
+    return None if cfg.block_m == 1 else align_tokens(topk_ids, w.n_experts, cfg.block_m)
+
+
+def gemv_w13(x: torch.Tensor, topk_ids: torch.Tensor, routing, w, cfg, n_sms: int = 132) -> torch.Tensor:
+    """Permute x, then w13: -> fp32 gate|up partial sums `[S, T*k, 2I]` (S K splits)."""
+    t, k = topk_ids.shape
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    blocks = t * k if routing is None else routing[1].numel()
+    split = cfg.split_k or gemv_splits(blocks, 2 * w.inter // cfg.block_n13, w.hidden // STEP, n_sms)
+    return gemv(permute_rows(x), w.w13, w.w13_scale, w.group_size, ids, routing, t * k, k, cfg,
+                cfg.block_n13, split)
+
+
+def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, routing, w, cfg,
+            dtype: torch.dtype) -> torch.Tensor:
+    """SiLU(gate)*up*weight permuted, w2, sum over k: `gemv_w13`'s output -> `[T, H]` in dtype."""
+    t, k = topk_ids.shape
+    h = w.hidden
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    act = permute_rows(mid, topk_weights.reshape(-1).float().contiguous(), mid.shape[0])   # [T*k, 2I]
+    y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
+    out = torch.empty(t, h, dtype=dtype, device=mid.device)
+    block = min(1024, triton.next_power_of_2(h))
+    _sum_k_kernel[(t, triton.cdiv(h, block))](y, out, h, TOP_K=k, KP=triton.next_power_of_2(k), BLOCK=block,
+                                               num_warps=4)
+    return out
+
+
 def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg,
                    n_sms: int = 132) -> torch.Tensor:
     """x `[T, H]`, routing `[T, k]`, `MarlinMoE` -> `[T, H]` in x's dtype, on the CUDA cores.
 
     cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting), block_n13,
     block_n2 (multiples of 64), split_k (0: `gemv_splits`), num_warps, num_stages.
-    Launches: permute x, w13 (K split), SiLU*up*weight permuted, w2, sum over k.
     """
-    t, k = topk_ids.shape
-    h, i = w.hidden, w.inter
-    ids = topk_ids.reshape(-1).to(torch.int32)
-    routing = None if cfg.block_m == 1 else align_tokens(topk_ids, w.n_experts, cfg.block_m)
-    blocks = t * k if routing is None else routing[1].numel()
-    split = cfg.split_k or gemv_splits(blocks, 2 * i // cfg.block_n13, h // STEP, n_sms)
-    mid = gemv(permute_rows(x), w.w13, w.w13_scale, w.group_size, ids, routing, t * k, k, cfg,
-               cfg.block_n13, split)                                              # [S, T*k, 2I]
-    act = permute_rows(mid, topk_weights.reshape(-1).float().contiguous(), mid.shape[0])   # [T*k, I]
-    y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(h))
-    _sum_k_kernel[(t, triton.cdiv(h, block))](y, out, h, TOP_K=k, KP=triton.next_power_of_2(k), BLOCK=block,
-                                               num_warps=4)
-    return out
+    routing = gemv_routing(topk_ids, w, cfg)
+    mid = gemv_w13(x, topk_ids, routing, w, cfg, n_sms)
+    return gemv_w2(mid, topk_ids, topk_weights, routing, w, cfg, x.dtype)

@@ -79,8 +79,12 @@ class MoeTritonConfig:
 # `join` (each word loaded once) then halved the time at T <= 512 (block_m 16) and won
 # slightly at T = 4096, but lost at T = 1024-2048 with block_m 32 (3891 vs 3366 us,
 # 7480 vs 6563 us): results/h200/moe_sweep_tp8_join.csv against moe_sweep_tp8.csv.
+# The CUDA-core path (kernels.moe_gemv) wins with uniform routing up to T = 64 (about 1.3
+# per expert: results/h200/moe_tune_gemv*.csv) but in the engine, whose tree nodes share
+# experts, only up to T = 10: `ddbench e2e` verify MoE at c=1 T=9 9.7 vs 13.2 ms, at
+# T=17 17.6 vs 14.0 ms, decode c=10 (T=10) 10.3 vs 17.4 ms (docs/BENCHMARKS.md).
 TILE_TABLE: list[tuple[float, dict]] = [
-    (1.9, dict(gemv=True, block_m=1, block_n13=256, block_n2=256)),
+    (0.3, dict(gemv=True, block_m=1, block_n13=256, block_n2=256)),
     (10.7, dict(block_m=16, block_k13=64, block_k2=64, join=True)),
     (42.7, dict(block_m=32, block_k13=64, block_k2=64)),
     (float("inf"), dict(block_m=64, block_k13=64, block_k2=64, join=True)),
@@ -498,11 +502,11 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     activations in x's dtype (fp32 when w13 is split over K). No host syncs.
     """
     cfg = config or default_config(topk_ids.shape[0], topk_ids.shape[1], w.n_experts, w.inter,
-                                   w.hidden, _sm_count(x.device))
+                                   w.hidden, sm_count(x.device))
     check_inputs(x, topk_ids, topk_weights, w, cfg)
     if cfg.gemv:
         from kernels.moe_gemv import fused_moe_gemv
-        return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, _sm_count(x.device))
+        return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device))
     routing = align_tokens(topk_ids, w.n_experts, cfg.block_m)
     mid = triton_w13(x, routing, topk_ids.shape[1], w, cfg)
     return triton_w2(mid, routing, topk_weights, w, cfg, x.dtype)
@@ -568,7 +572,7 @@ def triton_w2(mid: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w,
 _SMS: dict = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     if device not in _SMS:
