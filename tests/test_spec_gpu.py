@@ -8,6 +8,7 @@ from engine.drafter import Drafter, drafter_config
 from engine.model import Transformer
 from engine.spec import ARStep, Session, SpecStep, parse_acceptance
 from engine.weights import init_random
+from kernels import skinny
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +50,7 @@ def test_lossless_on_gpu_fp32(budget):
 
 
 @pytest.mark.parametrize("acc", ["real", "synthetic:4"])
-def test_graphs_replay_the_eager_step(acc):
+def test_graphs_replay_the_eager_step(acc, monkeypatch):
     """bf16 with the Triton MoE and attention: graph replays give the eager step's output."""
     cfg, target, drafter = build(torch.bfloat16, "triton", "triton")
     ps = prompts(cfg, [6, 13, 9], seed=1)
@@ -60,6 +61,11 @@ def test_graphs_replay_the_eager_step(acc):
     assert st_g.cuda_graph and not st_e.cuda_graph
     if acc == "real":
         assert graphed == eager
+        ar, _ = decode(target, None, ps, limits, graph=True)
+        # AR steps have <= 4 rows, so their linears run kernels.skinny, which sums in another
+        # order than the verify's cuBLAS: bf16 greedy paths then drift apart after a few tokens
+        assert all(x[:3] == y[:3] for x, y in zip(ar, graphed)), "AR and tree verify differ at once"
+        monkeypatch.setattr(skinny, "MAX_ROWS", 0)   # same GEMMs in both: they must agree
         ar, _ = decode(target, None, ps, limits, graph=True)
         same = sum(x == y for x, y in zip(ar, graphed))
         assert same >= 2, "bf16 tree verify and AR disagree on most streams"
