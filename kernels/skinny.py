@@ -2,7 +2,7 @@
 
 At concurrency 1 every dense layer is a matrix-vector product: the job is streaming W once
 at the copy bandwidth. cuBLAS picks split-K tensor-core kernels plus a reduce kernel for
-these shapes (docs/notes/decode.md); here each program owns BN rows of W, streams them in
+these shapes (docs/BENCHMARKS.md, decode section); here each program owns BN rows of W, streams them in
 [BN, BK] tiles (16-byte loads, pipelined), multiplies by the x rows on the CUDA cores in
 fp32 and reduces over BK once, after the loop. Other shapes go to `F.linear`.
 """
