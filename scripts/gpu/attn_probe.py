@@ -1,6 +1,6 @@
-"""mla_attention at T = 1 (decode), 8 heads, over min_chunk choices (H200, CUDA graphs, cold KV).
+"""mla_attention at T = 1 (decode), 8 heads, over min_chunk and pdl choices (H200, CUDA graphs, cold KV).
 
-python3 scripts/gpu/attn_probe.py [OUT_DIR]: shapes (streams x prefix) 1x160 (the decode
+python3 scripts/gpu/attn_probe.py [OUT_DIR] [VARIANTS]: shapes (streams x prefix) 1x160 (the decode
 benchmark), 1x8k, 10x1k, 10x8k; cache capacity 32k as the engine allocates it; checks each
 call against mla_attention_ref; prints us and % of copy bandwidth on the KV bytes; writes
 OUT_DIR/attn_probe.csv. About 20 s.
@@ -21,6 +21,8 @@ out.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
 copy = copy_bandwidth_gbps(dev)
 S, H, L, R = 32768, 8, 512, 64
+# min_chunk:launch, e.g. "64:pdl" (merge launched with programmatic dependent launch)
+VARIANTS = (sys.argv[2] if len(sys.argv) > 2 else "32:plain,64:plain,128:plain").split(",")
 rows = []
 for b, prefix in ((1, 160), (1, 8192), (10, 1024), (10, 8192)):
     q = torch.randn(b, 1, H, L, device=dev, dtype=torch.bfloat16)
@@ -33,11 +35,12 @@ for b, prefix in ((1, 160), (1, 8192), (10, 1024), (10, 8192)):
     kv_bytes = b * (prefix + 1) * (L + R) * 2
     ckv, kpe = cache()
     ref = mla_attention_ref(q, qr, ckv[:, :prefix + 1], kpe[:, :prefix + 1], plen, vis, 0.07).float()
-    for mc in (32, 64, 128):
-        err = ((mla_attention(q, qr, ckv, kpe, plen, vis, 0.07, min_chunk=mc).float() - ref).norm() / ref.norm()).item()
-        st = attn_bench(lambda c, k: mla_attention(q, qr, c, k, plen, vis, 0.07, min_chunk=mc), cache,
+    for mc, pdl in [(int(m), p == "pdl") for m, p in (v.split(":") for v in VARIANTS)]:
+        err = ((mla_attention(q, qr, ckv, kpe, plen, vis, 0.07, min_chunk=mc, pdl=pdl).float() - ref).norm()
+               / ref.norm()).item()
+        st = attn_bench(lambda c, k: mla_attention(q, qr, c, k, plen, vis, 0.07, min_chunk=mc, pdl=pdl), cache,
                         device=dev, reps=10, use_graph=True, copies=3)
-        rows.append(dict(streams=b, prefix=prefix, min_chunk=mc, time_us=round(st.median_us, 2),
+        rows.append(dict(streams=b, prefix=prefix, min_chunk=mc, pdl=pdl, time_us=round(st.median_us, 2),
                          pct_copy=round(100 * kv_bytes / st.median_us / 1e3 / copy, 1), rel_err=f"{err:.1e}"))
         print(rows[-1], flush=True)
     del ckv, kpe
