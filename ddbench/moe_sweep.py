@@ -280,9 +280,10 @@ def _row(cfg, backend, stage, routing, t, case, roof, st, copy_gbps, gemm_tf, er
     us = st.median_us
     gbps = roof["bytes"] / (us * 1e-6) / 1e9
     tf = roof["flops"] / (us * 1e-6) / 1e12
-    tiles = "" if mcfg is None else (f"m{mcfg.block_m}n{mcfg.block_n13}/{mcfg.block_n2}k{mcfg.block_k13}/"
-                                     f"{mcfg.block_k2}s{mcfg.split_k}w{mcfg.num_warps}p{mcfg.num_stages}"
-                                     f"{'a' if mcfg.atomic_out else ''}{'c' if mcfg.acc_scale else ''}")
+    tiles = "" if mcfg is None else (f"{'gemv-' if mcfg.gemv else ''}m{mcfg.block_m}n{mcfg.block_n13}/"
+                                     f"{mcfg.block_n2}k{mcfg.block_k13}/{mcfg.block_k2}s{mcfg.split_k}"
+                                     f"w{mcfg.num_warps}p{mcfg.num_stages}{'a' if mcfg.atomic_out else ''}"
+                                     f"{'c' if mcfg.acc_scale else ''}{'j' if mcfg.join else ''}")
     return {
         "backend": backend, "stage": stage, "tp": cfg.tp, "preset": cfg.name, "tokens": t, "routing": routing,
         "experts_touched": round(case.touched, 2),

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.moe_triton import sm_count
+
 MAX_ROWS = 4
 
 
@@ -100,20 +102,9 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
         if t.stride(-1) != 1:
             raise ValueError(f"skinny_bmm needs {name} with a contiguous last dim")
     a = add if add is not None else out
-    bm, bn, bk = tile or tiles(m, n, k, _sms(x.device) // max(1, bsz))
+    bm, bn, bk = tile or tiles(m, n, k, sm_count(x.device) // max(1, bsz))
     _skinny_kernel[(triton.cdiv(n, bn), bsz)](
         x, w, a, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         a.stride(0), a.stride(1), out.stride(0), out.stride(1),
         BM=bm, BN=bn, BK=bk, HAS_ADD=add is not None, NUM_STAGES=num_stages, num_warps=num_warps)
     return out
-
-
-_SMS: dict = {}
-
-
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]

@@ -15,7 +15,7 @@ mkdir -p "$OUT" logs
 python3 -m ddbench env --json logs/env.json > logs/env.log 2>&1
 for a in $areas; do
   start=$(date +%s)
-  cap_var="CAP_$a"; cap=${!cap_var:-300}
+  cap_var="CAP_$a"; cap=${!cap_var:-300}; [ "$a" = decode ] && cap=${CAP_decode:-420}
   if [ -f "scripts/gpu/$a.sh" ]; then
     timeout -s INT -k 15 "$cap" bash "scripts/gpu/$a.sh" > "logs/$a.log" 2>&1; rc=$?
   else

@@ -39,14 +39,15 @@ def test_cpu_default_runs_tiny_torch(tmp_path):
 
 
 def test_triton_backend_interpreter_with_check(tmp_path):
-    r = runner.invoke(app, ["moe-sweep", "--device", "cpu", "--backends", "triton", "--tokens", "6",
+    r = runner.invoke(app, ["moe-sweep", "--device", "cpu", "--backends", "triton", "--tokens", "1,6",
                             "--tp", "8", "--check", "--routing", "skewed", "--name", "t1", "--out", str(tmp_path), *FAST])
     assert r.exit_code == 0, r.output
     assert "interpreter" in r.output
     df = pd.read_csv(tmp_path / "t1.csv")
-    lay = df[df.stage == "layer"]
-    assert len(lay) == 1 and float(lay["rel_err"].iloc[0]) < 1e-4
-    assert lay["tiles"].iloc[0].startswith("m16")
+    lay = df[df.stage == "layer"].set_index("tokens")
+    assert len(lay) == 2 and (lay["rel_err"].astype(float) < 1e-4).all()
+    assert lay.loc[1, "tiles"].startswith("gemv-m1") and lay.loc[6, "tiles"].startswith("m16")   # CUDA cores at T=1
+    assert set(df[df.tokens == 1].stage) >= {"layer", "w13", "w2"}
 
 
 @pytest.mark.parametrize("args,message", [
