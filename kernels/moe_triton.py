@@ -81,8 +81,9 @@ class MoeTritonConfig:
 # 7480 vs 6563 us): results/h200/moe_sweep_tp8_join.csv against moe_sweep_tp8.csv.
 # The CUDA-core path (kernels.moe_gemv) wins with uniform routing up to T = 64 (about 1.3
 # per expert: results/h200/moe_tune_gemv*.csv) but in the engine, whose tree nodes share
-# experts, only up to T = 10: `ddbench e2e` verify MoE at c=1 T=9 9.7 vs 13.2 ms, at
-# T=17 17.6 vs 14.0 ms, decode c=10 (T=10) 10.3 vs 17.4 ms (docs/BENCHMARKS.md).
+# experts, it loses from T = 17 on, so it runs up to 0.3 per expert (T <= 14 at K2.6):
+# `ddbench e2e` verify MoE at c=1 T=9 9.7 vs 13.2 ms, T=17 17.6 vs 14.0 ms, decode c=10
+# (T=10) 10.3 vs 17.4 ms (docs/BENCHMARKS.md).
 TILE_TABLE: list[tuple[float, dict]] = [
     (0.3, dict(gemv=True, block_m=1, block_n13=256, block_n2=256)),
     (10.7, dict(block_m=16, block_k13=64, block_k2=64, join=True)),
