@@ -306,6 +306,23 @@ def _dot_acc(a, b, acc, KIND: tl.constexpr):
 
 
 @triton.jit
+def _k_layout(stride_wk, BK: tl.constexpr, JOIN: tl.constexpr):
+    """How a BK-row K step reads the words -> (shift `[BK]`: nibble of row r for bn = 0,
+    wrow: word-row offsets, `[BK/4]` with JOIN else `[BK]`, kcol `[BK]`: the K row each
+    operand row holds, which the A load follows)."""
+    r = tl.arange(0, BK)
+    shift = 16 * (r % 2) + 4 * ((r % 16) // 8)
+    if JOIN:  # one row per word (kt, t); B rows come out as 16kt + 4t + 2bk + kodd
+        rw = tl.arange(0, BK // 4)
+        wrow = (rw // 4) * stride_wk + (rw % 4) * 4
+        kcol = (r // 16) * 16 + ((r // 2) % 2) * 8 + ((r // 4) % 4) * 2 + r % 2
+    else:     # row r reads the word of (kt, t) = (r // 16, (r % 8) // 2): natural K order
+        wrow = (r // 16) * stride_wk + ((r % 8) // 2) * 4
+        kcol = r
+    return shift, wrow, kcol
+
+
+@triton.jit
 def _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM: tl.constexpr):
     """This program's expert (-1: nothing to do), its sorted assignments and their validity."""
     pid_m = tl.program_id(0)
@@ -345,15 +362,7 @@ def _w13_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     a_rows = x_ptr + (assign // TOP_K).to(tl.int64) * stride_x      # [BM]
-    r = tl.arange(0, BK)
-    shift = 16 * (r % 2) + 4 * ((r % 16) // 8)                      # nibble of row r (bn = 0)
-    if JOIN:  # one row per word (kt, t); B rows come out as 16kt + 4t + 2bk + kodd
-        rw = tl.arange(0, BK // 4)
-        wrow = (rw // 4) * stride_wk + (rw % 4) * 4
-        kcol = (r // 16) * 16 + ((r // 2) % 2) * 8 + ((r // 4) % 4) * 2 + r % 2
-    else:     # row r reads the word of (kt, t) = (r // 16, (r % 8) // 2): natural K order
-        wrow = (r // 16) * stride_wk + ((r % 8) // 2) * 4
-        kcol = r
+    shift, wrow, kcol = _k_layout(stride_wk, BK, JOIN)
     n0 = pid_n * BN
     wcol_g, n_g = _tile_cols(n0, BN, VEC_G)
     wcol_u, n_u = _tile_cols(n0 + I, BN, VEC_U)
@@ -408,15 +417,7 @@ def _w2_kernel(
         return
     pid_n = tl.program_id(1)
     a_rows = a_ptr + assign.to(tl.int64) * stride_a                 # [BM]
-    r = tl.arange(0, BK)
-    shift = 16 * (r % 2) + 4 * ((r % 16) // 8)                      # nibble of row r (bn = 0)
-    if JOIN:  # one row per word (kt, t); B rows come out as 16kt + 4t + 2bk + kodd
-        rw = tl.arange(0, BK // 4)
-        wrow = (rw // 4) * stride_wk + (rw % 4) * 4
-        kcol = (r // 16) * 16 + ((r // 2) % 2) * 8 + ((r // 4) % 4) * 2 + r % 2
-    else:     # row r reads the word of (kt, t) = (r // 16, (r % 8) // 2): natural K order
-        wrow = (r // 16) * stride_wk + ((r % 8) // 2) * 4
-        kcol = r
+    shift, wrow, kcol = _k_layout(stride_wk, BK, JOIN)
     wcol, n_lo = _tile_cols(pid_n * BN, BN, VEC)
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se
