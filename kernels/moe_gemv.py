@@ -178,10 +178,17 @@ def _permute_kernel(
         x = g / (1.0 + tl.exp(-g)) * u * tl.load(topk_w_ptr + row)
     else:
         x = tl.load(src_ptr + row * stride_sr + k, mask=ok).to(tl.float32)
+    store_permuted(dst_ptr + row * stride_d, k, x, ok)
+
+
+@triton.jit
+def store_permuted(dst_row, k, x, ok):
+    """Store fp32 values x of K rows k (any shape; dst_row broadcasts against it) at their
+    two places in a `[2K]` GEMV-order row (`_permute_kernel`); also used by kernels.skinny."""
     kk = k % 32
     v = (kk % 16) // 8 + 2 * (kk % 2)
     i_lo = v + 2 * (v // 2)
-    base = dst_ptr + row * stride_d + 64 * (k // 32) + 4 * (kk // 16) + (kk % 8) // 2
+    base = dst_row + 64 * (k // 32) + 4 * (kk // 16) + (kk % 8) // 2
     e_lo = tl.where(v == 1, 1, tl.where(v == 2, 4, 0))                  # nibbles 0, 1, 4, 5
     e_hi = tl.where(v == 1, 3, tl.where(v == 2, 1, 2))                  # nibbles 2, 3, 6, 7
     tl.store(base + 8 * i_lo, x * tl.exp2(-4.0 * e_lo.to(tl.float32)), mask=ok)
@@ -244,13 +251,16 @@ def gemv_routing(topk_ids: torch.Tensor, w, cfg):
     return None if cfg.block_m == 1 else align_tokens(topk_ids, w.n_experts, cfg.block_m)
 
 
-def gemv_w13(x: torch.Tensor, topk_ids: torch.Tensor, routing, w, cfg, n_sms: int = 132) -> torch.Tensor:
-    """Permute x, then w13: -> fp32 gate|up partial sums `[S, T*k, 2I]` (S K splits)."""
+def gemv_w13(x: torch.Tensor, topk_ids: torch.Tensor, routing, w, cfg, n_sms: int = 132,
+             x_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """Permute x (unless x_perm = `permute_rows(x)` is given), then w13: -> fp32 gate|up
+    partial sums `[S, T*k, 2I]` (S K splits)."""
     t, k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32)
     blocks = t * k if routing is None else routing[1].numel()
     split = cfg.split_k or gemv_splits(blocks, 2 * w.inter // cfg.block_n13, w.hidden // STEP, n_sms)
-    return gemv(permute_rows(x), w.w13, w.w13_scale, w.group_size, ids, routing, t * k, k, cfg,
+    a = permute_rows(x) if x_perm is None else x_perm
+    return gemv(a, w.w13, w.w13_scale, w.group_size, ids, routing, t * k, k, cfg,
                 cfg.block_n13, split)
 
 
@@ -270,12 +280,13 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg,
-                   n_sms: int = 132) -> torch.Tensor:
+                   n_sms: int = 132, x_perm: torch.Tensor | None = None) -> torch.Tensor:
     """x `[T, H]`, routing `[T, k]`, `MarlinMoE` -> `[T, H]` in x's dtype, on the CUDA cores.
+    x_perm: `permute_rows(x)` if the caller already has it (kernels.skinny.norm_linear writes it).
 
     cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting), block_n13,
     block_n2 (multiples of 64), split_k (0: `gemv_splits`), num_warps, num_stages.
     """
     routing = gemv_routing(topk_ids, w, cfg)
-    mid = gemv_w13(x, topk_ids, routing, w, cfg, n_sms)
+    mid = gemv_w13(x, topk_ids, routing, w, cfg, n_sms, x_perm)
     return gemv_w2(mid, topk_ids, topk_weights, routing, w, cfg, x.dtype)

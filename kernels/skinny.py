@@ -5,6 +5,12 @@ at the copy bandwidth. cuBLAS picks split-K tensor-core kernels plus a reduce ke
 these shapes (docs/BENCHMARKS.md, decode section); here each program owns BN rows of W, streams them in
 [BN, BK] tiles (16-byte loads, pipelined), multiplies by the x rows on the CUDA cores in
 fp32 and reduces over BK once, after the loop. Other shapes go to `F.linear`.
+
+Fused into the same kernel for the decode step (each saves a launch of a few microseconds):
+an RMSNorm (+ residual add) prologue (`norm_linear`: the row's 1/rms is a per-row factor,
+summed over the same x tiles and applied after the loop; the programs also write the new
+residual, the normed row and its `moe_gemv` order, each a slice of the row) and a
+SiLU(gate) * up epilogue for [gate | up] weights (`glu`).
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.moe_gemv import store_permuted
 from kernels.moe_triton import sm_count
 
 MAX_ROWS = 4
@@ -20,11 +27,20 @@ MAX_ROWS = 4
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, add_ptr, y_ptr,          # per batch b: x [M, K]; W [N, K] (any strides); add, y [M, N]
+    x_ptr, w_ptr, add_ptr, y_ptr,          # per batch b: x [M, K]; W [N, K] (GLU: [2N, K]; any strides); add, y [M, N]
     M, N, K, stride_xb, stride_xm, stride_wb, stride_wn, stride_wk, stride_ab, stride_am, stride_yb, stride_ym,
+    # RMSNorm prologue (one batch): x := h / rms(h) * nw with h = res + x (or x); outputs of the
+    # whole rows, split over the programs: h [M, K], xn = the normed x [M, K], xp = xn in GEMV order [M, 2K]
+    res_ptr, nw_ptr, h_ptr, xn_ptr, xp_ptr, stride_rm, stride_hm, stride_xnm, stride_xpm, eps,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_ADD: tl.constexpr, NUM_STAGES: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_H: tl.constexpr, OUT_XN: tl.constexpr, OUT_XP: tl.constexpr,
+    WB: tl.constexpr,                     # K columns of the norm outputs per program
+    GLU: tl.constexpr,                    # y = SiLU(x W[n]^T) * x W[N + n]^T (W = [gate | up] rows)
 ):
-    """Program (column block, batch): y[b, :, n] = x[b] W[b, n]^T (+ add) for BN columns."""
+    """Program (column block, batch): y[b, :, n] = x[b] W[b, n]^T (+ add) for BN columns.
+
+    With NORM the row's 1/rms is a per-row factor, so it is summed alongside the product
+    (sum of h^2 over the same x tiles) and applied after the loop: no extra pass over x."""
     b = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
@@ -33,37 +49,79 @@ def _skinny_kernel(
     w_rows = w_ptr + b * stride_wb + n.to(tl.int64)[:, None] * stride_wn                 # [BN, 1]
     x_rows = x_ptr + b * stride_xb + m[:, None] * stride_xm                             # [BM, 1]
     acc3 = tl.zeros([BM, BN, BK], tl.float32)
+    acc3_up = tl.zeros([BM, BN if GLU else 1, BK], tl.float32)
+    ss = tl.zeros([BM, BK if NORM else 1], tl.float32)                                 # sums of h^2
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         k = k0 + kk
-        w = tl.load(w_rows + k[None, :] * stride_wk, mask=n_ok[:, None] & (k < K)[None, :], other=0.0)  # [BN, BK]
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)             # [BM, BK]
-        acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]                 # [BM, BN, BK]
+        w_mask = n_ok[:, None] & (k < K)[None, :]
+        w = tl.load(w_rows + k[None, :] * stride_wk, mask=w_mask, other=0.0)           # [BN, BK]
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+        if NORM:
+            if HAS_RES:  # h in x's dtype, as the residual stream stores it
+                r = tl.load(res_ptr + m[:, None] * stride_rm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
+                            other=0.0).to(tl.float32)
+                x = (x + r).to(x_ptr.dtype.element_ty).to(tl.float32)
+            ss += x * x
+            x = x * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]                               # [BM, BN, BK]
+        if GLU:
+            u = tl.load(w_rows + N * stride_wn + k[None, :] * stride_wk, mask=w_mask, other=0.0)   # [BN, BK]
+            acc3_up += x[:, None, :] * u.to(tl.float32)[None, :, :]
     acc = tl.sum(acc3, 2)                                                                 # [BM, BN]
+    rstd = tl.full([BM], 1.0, tl.float32)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)                                    # [BM]
+        acc = acc * rstd[:, None]
+    if GLU:
+        up = tl.sum(acc3_up, 2) * rstd[:, None]
+        acc = acc / (1.0 + tl.exp(-acc)) * up
     mn = m_ok[:, None] & n_ok[None, :]
     if HAS_ADD:
         acc += tl.load(add_ptr + b * stride_ab + m[:, None] * stride_am + n[None, :], mask=mn).to(tl.float32)
     tl.store(y_ptr + b * stride_yb + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mn)
+    if NORM and (OUT_H or OUT_XN or OUT_XP):  # this program's WB columns of the norm outputs
+        kw = tl.program_id(0) * WB + tl.arange(0, WB)
+        mk = m_ok[:, None] & (kw < K)[None, :]                                            # [BM, WB]
+        h = tl.load(x_ptr + m[:, None] * stride_xm + kw[None, :], mask=mk, other=0.0)
+        if HAS_RES:
+            h = (h.to(tl.float32) + tl.load(res_ptr + m[:, None] * stride_rm + kw[None, :], mask=mk,
+                                            other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+        if OUT_H:
+            tl.store(h_ptr + m[:, None] * stride_hm + kw[None, :], h, mask=mk)
+        xn = (h.to(tl.float32) * rstd[:, None] * tl.load(nw_ptr + kw, mask=kw < K, other=0.0).to(tl.float32)[None, :]
+              ).to(x_ptr.dtype.element_ty)
+        if OUT_XN:
+            tl.store(xn_ptr + m[:, None] * stride_xnm + kw[None, :], xn, mask=mk)
+        if OUT_XP:
+            store_permuted(xp_ptr + m[:, None] * stride_xpm, kw[None, :], xn.to(tl.float32), mk)
 
 
-def tiles(m: int, n: int, k: int, n_sms: int = 132) -> tuple[int, int, int]:
+def tiles(m: int, n: int, k: int, n_sms: int = 132, glu: bool = False) -> tuple[int, int, int]:
     """(BM, BN, BK): BM covers the rows; BN the largest of 16/8/4/2/1 that still gives
-    about 2 programs per SM; BK so that the [BM, BN, BK] product stays at 8192 values."""
+    about 2 programs per SM; BK so that the [BM, BN, BK] product (two with glu) stays at
+    8192 values."""
     bm = triton.next_power_of_2(m)
     bn = 16
     while bn > 1 and triton.cdiv(n, bn) < 2 * n_sms:
         bn //= 2
-    bk = min(triton.next_power_of_2(k), max(64, 8192 // (bm * bn)), 1024)
+    bk = min(triton.next_power_of_2(k), max(64, 8192 // (bm * bn * (2 if glu else 1))), 1024)
     return bm, bn, bk
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-    """x `[.., K]` @ w `[N, K]`^T (+ add `[.., N]`) -> `[.., N]` in x's dtype.
-
-    The Triton kernel where it beat cuBLAS on the H200 (scripts/gpu/skinny_bench.py,
-    docs/BENCHMARKS.md): at most MAX_ROWS rows and N <= K (long rows of W); cuBLAS else."""
+def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `linear(x, w)` takes the Triton path: where it beat cuBLAS on the H200
+    (scripts/gpu/skinny_bench.py, docs/BENCHMARKS.md), i.e. CUDA, 1..MAX_ROWS rows (MAX_ROWS = 0
+    turns it off), N <= K (long rows of W), bf16/fp16. The engine fuses norms and SiLU into
+    the GEMM only where this holds."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if not (x.is_cuda and 0 < rows <= MAX_ROWS and w.shape[0] <= w.shape[1]
-            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype):
+    return (x.is_cuda and 0 < rows <= MAX_ROWS and w.shape[0] <= w.shape[1]
+            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[.., K]` @ w `[N, K]`^T (+ add `[.., N]`) -> `[.., N]` in x's dtype: the Triton
+    kernel where `fits`, cuBLAS else."""
+    if not fits(x, w):
         if add is None:
             return F.linear(x, w)
         return torch.addmm(add.reshape(-1, add.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()).view(add.shape)
@@ -83,28 +141,88 @@ def heads_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
-                  tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """The Triton path of `linear`, any device Triton runs on (tests use the interpreter)."""
-    k, n = x.shape[-1], w.shape[0]
+                  tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4,
+                  glu: bool = False) -> torch.Tensor:
+    """The Triton path of `linear`, any device Triton runs on (tests use the interpreter).
+    glu: w `[2I, K]` holds gate rows then up rows; returns SiLU(x gate^T) * (x up^T) `[.., I]`."""
+    k, n = x.shape[-1], w.shape[0] // (2 if glu else 1)
     x2 = x.reshape(-1, k)
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    skinny_bmm(x2[None], w[None], y[None], None if add is None else add.reshape(1, -1, n), tile, num_warps, num_stages)
+    skinny_bmm(x2[None], w[None], y[None], None if add is None else add.reshape(1, -1, n), tile, num_warps,
+               num_stages, glu=glu)
     return y.view(*x.shape[:-1], n)
 
 
+def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
+                residual: torch.Tensor | None = None, glu: bool = False, out_xn: bool = False,
+                out_xp: bool = False, tile: tuple[int, int, int] | None = None, num_warps: int = 4,
+                num_stages: int = 4):
+    """RMSNorm (+ residual add) as the prologue of the skinny GEMM, one launch, Triton path.
+
+    h = residual + x (in x's dtype; h = x without residual), xn = h / rms(h) * norm_w (fp32
+    maths), y = xn W^T, or with glu (w = [gate | up] rows `[2I, K]`) SiLU(xn gate^T) * xn up^T.
+    Returns (y `[.., N]`, h or None (no residual), xn or None, xp or None): xn `[.., K]` in
+    x's dtype when out_xn, xp = `moe_gemv.permute_rows(xn)` (fp32 `[rows, 2K]`) when out_xp.
+    Same meaning as `norm_linear_ref`; y is computed from the unrounded fp32 xn.
+    """
+    k = x.shape[-1]
+    n = w.shape[0] // (2 if glu else 1)
+    if out_xp and k % 32:
+        raise ValueError(f"norm_linear: the GEMV-order copy needs K % 32 == 0, got K = {k}")
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = None if residual is None else residual.reshape(-1, k).contiguous()
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(x2) if r2 is not None else None
+    xn = torch.empty_like(x2) if out_xn else None
+    xp = torch.empty(rows, 2 * k, dtype=torch.float32, device=x.device) if out_xp else None
+    skinny_bmm(x2[None], w[None], y[None], tile=tile, num_warps=num_warps, num_stages=num_stages, glu=glu,
+               norm=(norm_w, eps, r2, h, xn, xp))
+    lead = x.shape[:-1]
+    return (y.view(*lead, n), None if h is None else h.view(*lead, k), None if xn is None else xn.view(*lead, k), xp)
+
+
+def norm_linear_ref(x, norm_w, eps, w, residual=None, glu=False):
+    """The unfused meaning of `norm_linear`: (y, h or None, xn) (xp is `permute_rows(xn)`)."""
+    from kernels.fused_ops import rms_norm_ref, silu_mul_ref
+
+    xn, h = rms_norm_ref(x, norm_w, eps, residual) if residual is not None else (rms_norm_ref(x, norm_w, eps), None)
+    y = F.linear(xn, w)
+    return (silu_mul_ref(y) if glu else y), h, xn
+
+
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.Tensor | None = None,
-               tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+               tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4,
+               glu: bool = False, norm: tuple | None = None) -> torch.Tensor:
     """out[b] = x[b] @ w[b]^T (+ add[b]): x `[B, M, K]`, w `[B, N, K]`, out `[B, M, N]`, any
-    strides except unit strides on the last dims of x, out and add (w may be a transposed view)."""
+    strides except unit strides on the last dims of x, out and add (w may be a transposed view).
+    glu: w `[B, 2N, K]`, out = SiLU(x gate^T) * x up^T. norm (B = 1, contiguous x): the
+    prologue's (norm_w, eps, residual, h, xn, xp) as `norm_linear` (outputs may be None)."""
     bsz, m, k = x.shape
-    n = w.shape[1]
+    n = out.shape[2]
+    if w.shape[1] != (2 * n if glu else n):
+        raise ValueError(f"skinny_bmm: w has {w.shape[1]} rows for {n} outputs (glu={glu})")
     for name, t in (("x", x), ("out", out)) + ((("add", add),) if add is not None else ()):
         if t.stride(-1) != 1:
             raise ValueError(f"skinny_bmm needs {name} with a contiguous last dim")
     a = add if add is not None else out
-    bm, bn, bk = tile or tiles(m, n, k, sm_count(x.device) // max(1, bsz))
-    _skinny_kernel[(triton.cdiv(n, bn), bsz)](
+    bm, bn, bk = tile or tiles(m, n, k, sm_count(x.device) // max(1, bsz), glu)
+    grid = (triton.cdiv(n, bn), bsz)
+    norm_w, eps, res, h, xn, xp = norm or (None, 0.0, None, None, None, None)
+    if norm is not None and (bsz != 1 or x.stride(1) != k):
+        raise ValueError("skinny_bmm: the norm prologue needs one batch of contiguous rows")
+    if norm_w is not None and norm_w.stride(0) != 1:
+        raise ValueError("skinny_bmm: the norm weight must be contiguous")
+    wb = triton.next_power_of_2(triton.cdiv(k, grid[0])) if any(t is not None for t in (h, xn, xp)) else 1
+    xs = x[0]  # stand-in for the absent norm tensors (never read)
+    _skinny_kernel[grid](
         x, w, a, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         a.stride(0), a.stride(1), out.stride(0), out.stride(1),
-        BM=bm, BN=bn, BK=bk, HAS_ADD=add is not None, NUM_STAGES=num_stages, num_warps=num_warps)
+        *(t if t is not None else xs for t in (res, norm_w, h, xn, xp)),
+        *(t.stride(0) if t is not None else 0 for t in (res, h, xn, xp)), eps,
+        BM=bm, BN=bn, BK=bk, HAS_ADD=add is not None, NUM_STAGES=num_stages,
+        NORM=norm is not None, HAS_RES=res is not None, OUT_H=h is not None, OUT_XN=xn is not None,
+        OUT_XP=xp is not None, WB=wb, GLU=glu, num_warps=num_warps)
     return out

@@ -65,3 +65,102 @@ def test_skinny_bf16_k26_shapes(m, n, k):
     want = x.float() @ w.float().t()
     got = linear(x, w)
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+# ---- fused prologue (RMSNorm + residual) and epilogue (SiLU(gate) * up) ------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,res,glu", [(1, 40, 96, True, False), (3, 24, 160, False, True),
+                                           (4, 33, 224, True, True), (2, 7, 64, True, False)])
+def test_norm_linear_matches_unfused(dtype, m, n, k, res, glu):
+    """norm_linear == rms_norm (+ residual) -> linear (-> silu_mul), and its side outputs:
+    the new residual, the normed rows and their GEMV order (moe_gemv.permute_rows)."""
+    from kernels.moe_gemv import permute_rows
+    from kernels.skinny import norm_linear, norm_linear_ref
+
+    g = torch.Generator().manual_seed(m * 100 + n)
+    x, r = (torch.randn(m, k, generator=g).to(DEV, dtype) for _ in range(2))
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(DEV, dtype)
+    w = (torch.randn(n * (2 if glu else 1), k, generator=g) * k ** -0.5).to(DEV, dtype)
+    y, h, xn, xp = norm_linear(x, nw, 1e-5, w, r if res else None, glu=glu, out_xn=True, out_xp=True)
+    y0, h0, xn0 = norm_linear_ref(x, nw, 1e-5, w, r if res else None, glu=glu)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-3, rtol=3e-3)
+    assert y.shape == (m, n) and y.dtype == dtype and xp.shape == (m, 2 * k)
+    torch.testing.assert_close(y, y0, **tol)
+    torch.testing.assert_close(xn, xn0, **tol)
+    assert (h is None) == (not res) and (h is None or torch.equal(h, h0))   # same rounding as the reference
+    assert torch.equal(xp, permute_rows(xn.float()))
+    # without side outputs: the same y, nothing else written
+    y1, h1, xn1, xp1 = norm_linear(x, nw, 1e-5, w, r if res else None, glu=glu)
+    assert torch.equal(y1, y) and xn1 is None and xp1 is None
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_glu_epilogue_matches_silu_mul(m):
+    from kernels.fused_ops import silu_mul_ref
+
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 96, generator=g).to(DEV, torch.float16)
+    w = (torch.randn(2 * 40, 96, generator=g) * 0.1).to(DEV, torch.float16)
+    want = silu_mul_ref(x.float() @ w.float().t())
+    got = skinny_linear(x, w, glu=True)
+    assert got.shape == (m, 40)
+    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_glu_tiles_keep_the_product_budget():
+    """With glu a program holds two [BM, BN, BK] products (gate and up): BK halves."""
+    for m, n in ((1, 2304), (4, 256), (2, 8)):
+        bm, bn, bk = tiles(m, n, 7168, glu=True)
+        assert 2 * bm * bn * bk <= 8192 and (bm, bn) == tiles(m, n, 7168)[:2]
+
+
+@pytest.mark.gpu
+def test_max_rows_zero_turns_the_triton_path_off(monkeypatch):
+    import kernels.skinny as S
+
+    x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    assert S.fits(x, w)
+    monkeypatch.setattr(S, "MAX_ROWS", 0)
+    assert not S.fits(x, w)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("name,n,glu,res,side", [("wqkv_a", 2112, False, True, False),
+                                                 ("router", 384, False, True, True),
+                                                 ("dense_w13", 2304, True, True, False)])
+def test_norm_linear_bf16_k26_shapes(m, name, n, glu, res, side):
+    """K2.6 TP-8 shapes: attn_norm + wqkv_a, ffn_norm + router gate (+ normed x and its GEMV
+    order), ffn_norm + dense w13 with SiLU(gate) * up; bf16 against the fp32 unfused maths."""
+    from kernels.moe_gemv import permute_rows
+    from kernels.skinny import norm_linear, norm_linear_ref
+
+    k = 7168
+    x, r = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    nw = 1 + 0.2 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n * (2 if glu else 1), k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    y, h, xn, xp = norm_linear(x, nw, 1e-5, w, r if res else None, glu=glu, out_xn=side, out_xp=side)
+    y0, h0, xn0 = norm_linear_ref(x.float(), nw.float(), 1e-5, w.float(), r.float() if res else None, glu=glu)
+    assert _rel(y, y0) < 1e-2, name
+    assert torch.equal(h, (x.float() + r.float()).bfloat16())
+    if side:
+        assert _rel(xn, xn0) < 1e-2 and torch.equal(xp, permute_rows(xn.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("n", [256, 2304])
+def test_glu_bf16_k26_shapes(m, n):
+    """Shared expert (2 x 256 local rows) and dense MLP (2 x 2304) w13 with the SiLU epilogue."""
+    from kernels.fused_ops import silu_mul_ref
+
+    x = torch.randn(m, 7168, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * n, 7168, device="cuda", dtype=torch.bfloat16) * 7168 ** -0.5
+    want = silu_mul_ref(x.float() @ w.float().t())
+    assert _rel(skinny_linear(x, w, glu=True), want) < 1e-2
