@@ -22,8 +22,8 @@ from engine.parallel import (ColumnParallelLinear, Comm, Linear, LocalComm, Para
                              RowParallelLinear, VocabParallelEmbedding)
 from engine.phases import phase
 from engine.rope import rope_cos_sin, yarn_freqs
-from kernels import fused_ops
-from kernels.moe import MarlinMoE, fused_moe, route
+from kernels import fused_ops, skinny
+from kernels.moe import MarlinMoE, fused_moe, route, uses_gemv
 from kernels.skinny import heads_linear, linear
 
 
@@ -46,6 +46,27 @@ class Ops:
         if self.kind == "torch":
             return route(x, gate, bias, top_k, scaling)
         return fused_ops.route(linear(x, gate), bias, top_k, scaling)
+
+    def fuses(self, x, w) -> bool:
+        """Whether a norm before, or SiLU(gate) * up after, x W^T rides in the skinny GEMM:
+        Triton ops and `skinny.fits` (CUDA, few rows; skinny.MAX_ROWS = 0 turns it off)."""
+        return self.kind == "triton" and skinny.fits(x, w)
+
+    def norm_linear(self, norm, x, residual, w, glu=False):
+        """-> (y, h): h = residual + x (x when residual is None), y = norm(h) W^T, with glu
+        SiLU(gate) * up of the [gate | up] product. One skinny kernel where `fuses`, else
+        the norm kernel, the GEMM and silu_mul."""
+        if self.fuses(x, w):
+            y, h, _, _ = skinny.norm_linear(x, norm.weight, norm.eps, w, residual, glu=glu)
+            return y, (x if residual is None else h)
+        xn, h = norm(x, residual=residual) if residual is not None else (norm(x), x)
+        return self.glu_linear(xn, w) if glu else linear(xn, w), h
+
+    def glu_linear(self, x, w):
+        """SiLU(x gate^T) * (x up^T) for w = [gate | up] rows `[2I, K]` -> `[.., I]`."""
+        if self.fuses(x, w):
+            return skinny.skinny_linear(x, w, glu=True)
+        return self.silu_mul(linear(x, w))
 
 
 class RMSNorm(nn.Module):
@@ -96,11 +117,11 @@ class MLA(nn.Module):
         self.wo = RowParallelLinear(nh * cfg.v_head_dim, h, comm, device, dtype)
         self.attend = _attention_fn(attn_backend)
 
-    def forward(self, x, cos, sin, cache: KVCache, prefix_len, visible):
+    def forward(self, qkv, cos, sin, cache: KVCache, prefix_len, visible):
+        """qkv = wqkv_a(x) `[B, T, Q+L+Dr]` (the Block fuses the pre-norm into that GEMM)."""
         cfg = self.cfg
-        b, t, _ = x.shape
+        b, t, _ = qkv.shape
         nh, dn, dr, dv, lat = cfg.n_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        qkv = self.wqkv_a(x)                                                    # [B, T, Q+L+Dr]
         # one kernel: q_norm(q latent) -> q_a; kv_norm(kv latent) and rope(k_pe) straight
         # into the cache at prefix_len[b] + j
         q_a = self.ops.mla_a_post(qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin,
@@ -112,7 +133,7 @@ class MLA(nn.Module):
         q_lat = heads_linear(q_nope, wkv_b[:, :dn].transpose(1, 2))            # [B, T, nh, L]
         o_lat = self.attend(q_lat, q_pe.to(q_lat.dtype), cache.ckv[self.layer], cache.kpe[self.layer],
                             prefix_len, visible, cfg.softmax_scale)             # [B, T, nh, L]
-        o = heads_linear(o_lat.to(x.dtype), wkv_b[:, dn:])                      # [B, T, nh, Dv]
+        o = heads_linear(o_lat.to(qkv.dtype), wkv_b[:, dn:])                    # [B, T, nh, Dv]
         return self.wo(o.reshape(b, t, nh * dv))                                # [B, T, H]
 
 
@@ -130,7 +151,14 @@ class MLP(nn.Module):
 
     def forward(self, x, reduce: bool = True, add=None):
         """`add` (same shape as the output) is summed into the down GEMM (addmm, one kernel)."""
-        act = self.ops.silu_mul(self.w13(x))                                   # [.., 2I/tp] -> [.., I/tp]
+        return self.down(self.ops.glu_linear(x, self.w13.weight), reduce, add)   # [.., 2I/tp] -> [.., I/tp]
+
+    def forward_normed(self, a, h, norm: RMSNorm):
+        """The dense block's FFN: -> (mlp(norm(h + a)), h + a); the norm rides in w13's GEMM."""
+        act, h = self.ops.norm_linear(norm, a, h, self.w13.weight, glu=True)   # [.., I/tp]
+        return self.down(act), h
+
+    def down(self, act, reduce: bool = True, add=None):
         if add is None:
             return self.w2(act, reduce=reduce)                                 # [.., H]
         y = linear(act, self.w2.weight, add=add)                               # add + act W2^T
@@ -158,15 +186,30 @@ class MoE(nn.Module):
     def experts(self) -> MarlinMoE:
         return MarlinMoE(self.w13, self.w13_scale, self.w2, self.w2_scale, self.cfg.group_size)
 
-    def forward(self, x):
-        b, t, h = x.shape
-        xf = x.reshape(b * t, h)                                               # [N, H]
+    def forward(self, a, res, norm: RMSNorm):
+        """-> (moe(norm(res + a)), res + a). Where the ops fuse it, the norm rides in the
+        router's gate GEMM, which also writes the normed x and, for the CUDA-core expert
+        path, x in that path's activation order (saves its permute launch)."""
+        b, t, h = a.shape
+        cfg, experts = self.cfg, self.experts()
+        af, res = a.reshape(b * t, h), res.reshape(b * t, h)                  # [N, H]
+        xp = None
+        if self.ops.fuses(af, self.gate):
+            with phase("moe"):
+                want_xp = self.backend == "triton" and uses_gemv(b * t, cfg.top_k, experts, af.device)
+                logits, res, xf, xp = skinny.norm_linear(af, norm.weight, norm.eps, self.gate, res, out_xn=True,
+                                                         out_xp=want_xp)      # [N, E]
+                ids, w = fused_ops.route(logits, self.bias, cfg.top_k, cfg.routed_scaling)   # [N, k]
+        else:
+            with phase("mlp"):
+                xf, res = norm(af, residual=res)                              # res += a; xf = norm(res)
+            with phase("moe"):
+                ids, w = self.ops.route(xf, self.gate, self.bias, cfg.top_k, cfg.routed_scaling)  # [N, k]
         with phase("moe"):
-            ids, w = self.ops.route(xf, self.gate, self.bias, self.cfg.top_k, self.cfg.routed_scaling)  # [N, k]
-            y = fused_moe(xf, ids, w, self.experts(), self.backend)            # [N, H] partial
+            y = fused_moe(xf, ids, w, experts, self.backend, x_perm=xp)       # [N, H] partial
         with phase("mlp"):
             y = self.shared(xf, reduce=False, add=y)                           # routed + shared
-        return self.comm.all_reduce(y).view(b, t, h)                          # [B, T, H]
+        return self.comm.all_reduce(y).view(b, t, h), res.view(b, t, h)       # [B, T, H] each
 
 
 class Block(nn.Module):
@@ -174,12 +217,14 @@ class Block(nn.Module):
 
     Residual adds are fused into the next norm: a block takes the residual stream `h`
     without the previous block's output `delta` and returns (h, its own output), so each
-    add rides in an RMSNorm kernel (h, x = h + delta, norm(h + delta))."""
+    add rides in an RMSNorm kernel (h, x = h + delta, norm(h + delta)). On the skinny path
+    (few rows, Triton ops) that norm is itself the prologue of the GEMM after it: wqkv_a,
+    the router gate (MoE) or w13 (dense), so a norm costs no launch of its own."""
 
     def __init__(self, cfg: ModelConfig, comm: Comm, layer: int, moe_backend, attn_backend, ops: Ops,
                  device, dtype):
         super().__init__()
-        self.dense = layer < cfg.n_dense_layers
+        self.dense, self.ops = layer < cfg.n_dense_layers, ops
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, ops, device, dtype)
         self.attn = MLA(cfg, comm, layer, attn_backend, ops, device, dtype)
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, ops, device, dtype)
@@ -188,16 +233,17 @@ class Block(nn.Module):
 
     def forward(self, h, delta, cos, sin, cache, prefix_len, visible):
         """-> (h + delta + attn output, ffn output): the residual stream after this block
-        is the sum of the two."""
+        is the sum of the two. Each norm rides in the GEMM after it where the ops fuse it."""
         with phase("attention"):
-            x, h = self.attn_norm(delta, residual=h) if delta is not None else (self.attn_norm(h), h)
-            a = self.attn(x, cos, sin, cache, prefix_len, visible)
-        with phase("mlp"):
-            x, h = self.ffn_norm(a, residual=h)                                 # h += a; x = norm(h)
+            x, res = (delta, h) if delta is not None else (h, None)
+            qkv, h = self.ops.norm_linear(self.attn_norm, x, res, self.attn.wqkv_a.weight)  # h += delta
+            a = self.attn(qkv, cos, sin, cache, prefix_len, visible)
         if self.dense:
             with phase("mlp"):
-                return h, self.ffn(x)
-        return h, self.ffn(x)
+                y, h = self.ffn.forward_normed(a, h, self.ffn_norm)             # h += a
+            return h, y
+        y, h = self.ffn(a, h, self.ffn_norm)                                    # h += a
+        return h, y
 
 
 class Transformer(nn.Module):

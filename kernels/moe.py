@@ -58,15 +58,40 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MarlinMoE,
-              backend: str = "torch") -> torch.Tensor:
-    """The MoE GEMM; `backend` is 'torch' (reference) or 'triton'."""
+              backend: str = "torch", x_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE GEMM; `backend` is 'torch' (reference) or 'triton'. x_perm (optional, used
+    only on the CUDA-core path, see `uses_gemv`): x already in that path's activation order,
+    `kernels.moe_gemv.permute_rows(x)`; it saves the path's first launch."""
     if backend == "torch":
         return fused_moe_ref(x, topk_ids, topk_weights, w)
     if backend == "triton":
-        from kernels.moe_triton import fused_moe_triton
+        from kernels.moe_triton import check_inputs, fused_moe_triton
 
+        if x_perm is not None:
+            cfg = _default_config(topk_ids.shape[0], topk_ids.shape[1], w, x.device)
+            if cfg.gemv:
+                from kernels.moe_gemv import fused_moe_gemv
+                from kernels.moe_triton import sm_count
+
+                check_inputs(x, topk_ids, topk_weights, w, cfg)
+                if x_perm.shape != (x.shape[0], 2 * x.shape[1]) or x_perm.dtype != torch.float32:
+                    raise ValueError(f"x_perm must be fp32 [{x.shape[0]}, {2 * x.shape[1]}], got "
+                                     f"{x_perm.dtype} {tuple(x_perm.shape)}")
+                return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device), x_perm)
         return fused_moe_triton(x, topk_ids, topk_weights, w)
     raise ValueError(f"unknown MoE backend {backend!r}; choose torch or triton")
+
+
+def _default_config(tokens: int, top_k: int, w: MarlinMoE, device):
+    from kernels.moe_triton import default_config, sm_count
+
+    return default_config(tokens, top_k, w.n_experts, w.inter, w.hidden, sm_count(device))
+
+
+def uses_gemv(tokens: int, top_k: int, w: MarlinMoE, device) -> bool:
+    """Whether the triton backend runs `tokens` tokens on the CUDA-core path (kernels.moe_gemv),
+    the one that takes `fused_moe(..., x_perm=)`."""
+    return _default_config(tokens, top_k, w, device).gemv
 
 
 def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -84,3 +84,49 @@ def test_route_matches_reference_and_kernels_moe(e, k):
     assert torch.equal(ids, ids0) and torch.equal(ids0, ids1)
     torch.testing.assert_close(w, w0)
     torch.testing.assert_close(w0, w1)
+
+
+# ---- the engine's fused skinny path (norm prologue, SiLU epilogue, GEMV-order x) ---------
+
+@pytest.mark.parametrize("max_rows", [4, 0])
+def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows):
+    """Ops 'triton' on CPU (interpreter) with `skinny.fits` opened to CPU fp32: attn_norm in
+    wqkv_a, ffn_norm in the router gate (which also writes the MoE's permuted x) and in the
+    dense w13, SiLU(gate) * up in the w13 GEMMs give the logits of the torch ops. With
+    skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again."""
+    from engine.config import preset
+    from engine.model import Transformer
+    from engine.weights import init_random
+    from kernels import fused_ops, moe_gemv, skinny
+
+    monkeypatch.setattr(skinny, "MAX_ROWS", max_rows)
+    monkeypatch.setattr(skinny, "fits", lambda x, w: 0 < x.numel() // x.shape[-1] <= skinny.MAX_ROWS
+                        and w.shape[0] <= w.shape[1])
+    calls = {"norm_linear": 0, "permute_rows": 0, "rms_norm": 0, "silu_mul": 0}
+    for mod, name in ((skinny, "norm_linear"), (moe_gemv, "permute_rows"), (fused_ops, "rms_norm"),
+                      (fused_ops, "silu_mul")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _fn(*a, **k))
+    cfg = preset("tiny", dense_inter=128, moe_inter=128)   # w13 [256, 256]: N <= K, as in K2.6
+    ref = Transformer(cfg, moe_backend="triton", dtype=torch.float32, fused="torch")
+    init_random(ref, 0, mode="exact")
+    tri = Transformer(cfg, moe_backend="triton", dtype=torch.float32, fused="triton")
+    tri.load_state_dict(ref.state_dict())
+    outs, caches = [], [m.new_cache(1, 8) for m in (ref, tri)]
+    plen = torch.tensor([5], dtype=torch.int32)
+    tok = torch.randint(0, cfg.vocab, (1, 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for m, c in zip((ref, tri), caches):
+            c.ckv.copy_(torch.randn(c.ckv.shape, generator=torch.Generator().manual_seed(7)))
+            c.kpe.copy_(torch.randn(c.kpe.shape, generator=torch.Generator().manual_seed(8)))
+            outs.append(m(tok, plen.long().view(1, 1), c, plen, torch.ones(1, 1, 1, dtype=torch.bool))[0])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[1].ckv, caches[0].ckv)
+    n_moe = cfg.n_layers - cfg.n_dense_layers
+    # counts over both models; the reference (torch ops) permutes twice per MoE layer
+    if max_rows:  # 2 norms per block fused (the final norm stays); the MoE permutes only its w2 input
+        want = {"norm_linear": 2 * cfg.n_layers, "permute_rows": 2 * n_moe + n_moe, "rms_norm": 1, "silu_mul": 0}
+    else:
+        want = {"norm_linear": 0, "permute_rows": 4 * n_moe, "rms_norm": 2 * cfg.n_layers + 1,
+                "silu_mul": cfg.n_layers}
+    assert calls == want, calls
