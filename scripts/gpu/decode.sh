@@ -3,16 +3,18 @@
 #   (the benchmark runs first so a capped call still measures it)
 #   1. engine kernel tests in bf16 + fp32 (tests/test_engine_kernels.py) and the GPU tests of
 #      tests/test_engine.py (CUDA-graph decode == eager decode, graph phase timing, bf16 GPU
-#      path vs the fp32 torch path, the simulated-rank CLI on the tiny preset)
+#      path vs the fp32 torch path, the simulated-rank CLI on the tiny preset), and the bf16
+#      skinny GEMM tests at K2.6 shapes incl. the fused norm prologue / SiLU epilogue (~30 s)
 #   2. ddbench decode --preset k2.6 --tp 8 --simulate-rank 0 at concurrency 1 and 10:
 #      the full 61-layer TP-8 rank-0 shard (~76 GB: 71 GB INT4 experts + 5 GB bf16) with
 #      random weights drawn on the GPU, CUDA graph per step, all-reduces modelled with the
 #      nvlink-h200 all-reduce model; prompt 128, 64 new tokens
 #   3. ddbench report on the CSV (stacked per-phase step time)
 #   4. kernel-by-kernel profile of one c=1 step (scripts/gpu/decode_profile.py, ~70 s) and
-#      the few-row GEMMs against cuBLAS (scripts/gpu/skinny_bench.py, ~20 s)
+#      the few-row GEMMs against cuBLAS, fused GEMMs against the launches they replace
+#      (scripts/gpu/skinny_bench.py, ~30 s)
 # Writes results/h200/decode/ (CSV + JSON sidecar, plot, logs), copied to $OUT if set.
-# Expected runtime: about 3.5-4.5 minutes (init ~20 s, Triton compiles ~30-60 s, decode < 30 s).
+# Expected runtime: about 4-5 minutes (init ~20 s, Triton compiles ~30-60 s, decode < 30 s).
 cd "$(dirname "$0")/../.."
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -27,6 +29,7 @@ timeout 300 python3 -m ddbench decode --preset k2.6 --tp 8 --simulate-rank 0 --c
 
 timeout 150 python3 -m pytest -q tests/test_engine_kernels.py 2>&1 | log || echo "FAILED engine kernel tests"
 timeout 150 python3 -m pytest -q -m gpu tests/test_engine.py 2>&1 | log || echo "FAILED engine gpu tests"
+timeout 120 python3 -m pytest -q -m gpu tests/test_skinny.py 2>&1 | log || echo "FAILED skinny gpu tests"
 
 timeout 60 python3 -m ddbench report "$dir" --out "$dir/report" 2>&1 | log || echo "FAILED decode report"
 
@@ -50,3 +53,4 @@ PY
 
 timeout 150 python3 scripts/gpu/decode_profile.py "$dir" 1 2>&1 | log || echo "FAILED decode profile"
 timeout 60 python3 scripts/gpu/skinny_bench.py "$dir" 2>&1 | log || echo "FAILED skinny bench"
+[ -n "$OUT" ] && mkdir -p "$OUT/decode" && cp -r "$dir"/. "$OUT/decode/"   # again: profile + bench CSVs

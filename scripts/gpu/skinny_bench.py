@@ -2,7 +2,9 @@
 
 python3 scripts/gpu/skinny_bench.py [OUT_DIR]: each shape in CUDA graphs of 20 calls over
 rotated weights (so W comes from DRAM), GB/s of W against the measured copy bandwidth.
-Writes OUT_DIR/skinny_bench.csv and prints a table. About 20 s.
+Then the fused GEMMs the engine uses (norm prologue, SiLU epilogue) against the launches
+they replace (rms_norm -> skinny GEMM -> silu_mul / permute_rows), same timing.
+Writes OUT_DIR/skinny_bench.csv and OUT_DIR/skinny_fused_bench.csv and prints tables. About 30 s.
 """
 import csv
 import itertools
@@ -14,7 +16,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
-from kernels.skinny import skinny_linear, tiles  # noqa: E402
+from kernels import fused_ops  # noqa: E402
+from kernels.moe_gemv import permute_rows  # noqa: E402
+from kernels.skinny import norm_linear, skinny_linear, tiles  # noqa: E402
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)
@@ -46,3 +50,43 @@ print(f"{'gemm':11s} {'m':>2} {'n':>5} {'k':>5} {'tile':>10} {'skinny_us':>9} {'
 for r in rows:
     print(f"{r['gemm']:11s} {r['m']:2d} {r['n']:5d} {r['k']:5d} {r['tile']:>10} {r['skinny_us']:9.2f} {r['cublas_us']:9.2f} "
           f"{r['skinny_pct_copy']:7.1f} {r['cublas_pct_copy']:7.1f} {r['rel_err']:>8}")
+
+# fused (one launch) vs unfused (the launches the engine ran before): name -> (N out, norm, glu, normed x + gemv order)
+FUSED = {"attn_norm+wqkv_a": (2112, True, False, False), "ffn_norm+router(+xn,xp)": (384, True, False, True),
+         "shared_w13+silu": (256, False, True, False), "ffn_norm+dense_w13+silu": (2304, True, True, False)}
+K = 7168
+fused_rows = []
+for (name, (n, norm, glu, side)), m in itertools.product(FUSED.items(), (1, 4)):
+    ws = [torch.randn(n * (2 if glu else 1), K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(20)]
+    x, r = torch.randn(m, K, device=dev, dtype=torch.bfloat16), torch.randn(m, K, device=dev, dtype=torch.bfloat16)
+    nw = 1 + 0.1 * torch.randn(K, device=dev, dtype=torch.bfloat16)
+
+    def fused(w):
+        if norm:
+            return norm_linear(x, nw, 1e-5, w, r, glu=glu, out_xn=side, out_xp=side)[0]
+        return skinny_linear(x, w, glu=True)
+
+    def unfused(w):
+        xn = fused_ops.rms_norm(x, nw, 1e-5, residual=r)[0] if norm else x
+        y = skinny_linear(xn, w)
+        if side:
+            permute_rows(xn)
+        return fused_ops.silu_mul(y) if glu else y
+
+    err = ((fused(ws[0]).float() - unfused(ws[0]).float()).norm() / unfused(ws[0]).float().norm()).item()
+    res = {}
+    for label, fn in (("fused", fused), ("unfused", unfused)):
+        it = itertools.cycle(range(20))
+        res[label] = bench(lambda: fn(ws[next(it)]), device=dev, graph=True, graph_ops=20, reps=10).median_us
+    fused_rows.append(dict(gemm=name, m=m, n=n * (2 if glu else 1), k=K, fused_us=round(res["fused"], 2),
+                           unfused_us=round(res["unfused"], 2), saved_us=round(res["unfused"] - res["fused"], 2),
+                           rel_diff=f"{err:.1e}"))
+    del ws
+with open(out / "skinny_fused_bench.csv", "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(fused_rows[0]))
+    w.writeheader()
+    w.writerows(fused_rows)
+print(f"\n{'fused gemm':26s} {'m':>2} {'n':>5} {'fused_us':>9} {'unfused_us':>10} {'saved_us':>8} {'diff':>8}")
+for r in fused_rows:
+    print(f"{r['gemm']:26s} {r['m']:2d} {r['n']:5d} {r['fused_us']:9.2f} {r['unfused_us']:10.2f} {r['saved_us']:8.2f} "
+          f"{r['rel_diff']:>8}")
