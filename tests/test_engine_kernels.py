@@ -88,15 +88,39 @@ def test_route_matches_reference_and_kernels_moe(e, k):
 
 # ---- the engine's fused skinny path (norm prologue, SiLU epilogue, GEMV-order x) ---------
 
-@pytest.mark.parametrize("max_rows", [4, 0])
-def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows):
-    """Ops 'triton' on CPU (interpreter) with `skinny.fits` opened to CPU fp32: attn_norm in
-    wqkv_a, ffn_norm in the router gate (which also writes the MoE's permuted x) and in the
-    dense w13, SiLU(gate) * up in the w13 GEMMs give the logits of the torch ops. With
-    skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again."""
+def _decode_step(model, seed=3, plen=5):
+    """One c=1 decode step on a random cache: (logits `[1, 1, vocab]`, the cache)."""
+    cache = model.new_cache(1, 8)
+    g = torch.Generator().manual_seed(seed)
+    cache.ckv.copy_(torch.randn(cache.ckv.shape, generator=g))
+    cache.kpe.copy_(torch.randn(cache.kpe.shape, generator=g))
+    pl = torch.tensor([plen], dtype=torch.int32, device=model.device)
+    tok = torch.randint(0, model.cfg.vocab, (1, 1), generator=g).to(model.device)
+    with torch.no_grad():
+        return model(tok, pl.long().view(1, 1), cache, pl, torch.ones(1, 1, 1, dtype=torch.bool, device=model.device))[0], cache
+
+
+def _small_inter_models(dtype, device, ref_fused="torch", attn="torch"):
+    """tiny with w13 [256, 256] (N <= K, as in K2.6, so the skinny path takes it): a
+    reference and a fused-ops model with the same weights."""
     from engine.config import preset
     from engine.model import Transformer
     from engine.weights import init_random
+
+    cfg = preset("tiny", dense_inter=128, moe_inter=128)
+    ref = Transformer(cfg, moe_backend="triton", attn_backend=attn, device=device, dtype=dtype, fused=ref_fused)
+    init_random(ref, 0, mode="exact")
+    tri = Transformer(cfg, moe_backend="triton", attn_backend=attn, device=device, dtype=dtype, fused="triton")
+    tri.load_state_dict(ref.state_dict())
+    return ref, tri
+
+
+@pytest.mark.parametrize("max_rows", [4, 0])
+def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows):
+    """Ops 'triton' with `skinny.fits` opened to any device and fp32 (the interpreter on
+    CPU): attn_norm in wqkv_a, ffn_norm in the router gate (which also writes the MoE's
+    permuted x) and in the dense w13, SiLU(gate) * up in the w13 GEMMs give the logits of the
+    torch ops. With skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again."""
     from kernels import fused_ops, moe_gemv, skinny
 
     monkeypatch.setattr(skinny, "MAX_ROWS", max_rows)
@@ -107,21 +131,11 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows):
                       (fused_ops, "silu_mul")):
         fn = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _fn(*a, **k))
-    cfg = preset("tiny", dense_inter=128, moe_inter=128)   # w13 [256, 256]: N <= K, as in K2.6
-    ref = Transformer(cfg, moe_backend="triton", dtype=torch.float32, fused="torch")
-    init_random(ref, 0, mode="exact")
-    tri = Transformer(cfg, moe_backend="triton", dtype=torch.float32, fused="triton")
-    tri.load_state_dict(ref.state_dict())
-    outs, caches = [], [m.new_cache(1, 8) for m in (ref, tri)]
-    plen = torch.tensor([5], dtype=torch.int32)
-    tok = torch.randint(0, cfg.vocab, (1, 1), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        for m, c in zip((ref, tri), caches):
-            c.ckv.copy_(torch.randn(c.ckv.shape, generator=torch.Generator().manual_seed(7)))
-            c.kpe.copy_(torch.randn(c.kpe.shape, generator=torch.Generator().manual_seed(8)))
-            outs.append(m(tok, plen.long().view(1, 1), c, plen, torch.ones(1, 1, 1, dtype=torch.bool))[0])
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(caches[1].ckv, caches[0].ckv)
+    ref, tri = _small_inter_models(torch.float32, DEV)
+    (want, c0), (got, c1) = _decode_step(ref), _decode_step(tri)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c1.ckv, c0.ckv)
+    cfg = ref.cfg
     n_moe = cfg.n_layers - cfg.n_dense_layers
     # counts over both models; the reference (torch ops) permutes twice per MoE layer
     if max_rows:  # 2 norms per block fused (the final norm stays); the MoE permutes only its w2 input
@@ -130,3 +144,21 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows):
         want = {"norm_linear": 0, "permute_rows": 4 * n_moe, "rms_norm": 2 * cfg.n_layers + 1,
                 "silu_mul": cfg.n_layers}
     assert calls == want, calls
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fused_decode_step_close_to_unfused(monkeypatch):
+    """bf16 on the GPU with the real `skinny.fits`: the fused decode step against the same
+    model with skinny.MAX_ROWS = 0 (the unfused launches) and against the fp32 torch model."""
+    from kernels import skinny
+
+    ref, tri = _small_inter_models(torch.bfloat16, "cuda", ref_fused="triton", attn="triton")
+    got, _ = _decode_step(tri)
+    monkeypatch.setattr(skinny, "MAX_ROWS", 0)
+    want, _ = _decode_step(ref)
+    f32, _ = _small_inter_models(torch.float32, "cuda")
+    f32.load_state_dict({k: v.to(f32.state_dict()[k].dtype) for k, v in ref.state_dict().items()})
+    exact, _ = _decode_step(f32)
+    for a in (got, want):
+        assert a.isfinite().all() and ((a.float() - exact).norm() / exact.norm()).item() < 5e-2
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 5e-2
