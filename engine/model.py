@@ -150,7 +150,7 @@ class MLP(nn.Module):
         self.w2 = RowParallelLinear(inter, hidden, comm, device, dtype)
 
     def forward(self, x, reduce: bool = True, add=None):
-        """`add` (same shape as the output) is summed into the down GEMM (addmm, one kernel)."""
+        """`add` (same shape as the output, overwritten) is summed into the down GEMM (addmm_, one kernel)."""
         return self.down(self.ops.glu_linear(x, self.w13.weight), reduce, add)   # [.., 2I/tp] -> [.., I/tp]
 
     def forward_normed(self, a, h, norm: RMSNorm):
@@ -161,7 +161,7 @@ class MLP(nn.Module):
     def down(self, act, reduce: bool = True, add=None):
         if add is None:
             return self.w2(act, reduce=reduce)                                 # [.., H]
-        y = linear(act, self.w2.weight, add=add)                               # add + act W2^T
+        y = linear(act, self.w2.weight, add=add, reuse_add=True)               # add + act W2^T (into add)
         return self.w2.comm.all_reduce(y) if reduce else y
 
 

@@ -118,13 +118,19 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
+           reuse_add: bool = False) -> torch.Tensor:
     """x `[.., K]` @ w `[N, K]`^T (+ add `[.., N]`) -> `[.., N]` in x's dtype: the Triton
-    kernel where `fits`, cuBLAS else."""
+    kernel where `fits`, cuBLAS else. reuse_add: a contiguous `add` may be overwritten with
+    the result (cuBLAS then accumulates into it in place instead of first copying it)."""
     if not fits(x, w):
         if add is None:
             return F.linear(x, w)
-        return torch.addmm(add.reshape(-1, add.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()).view(add.shape)
+        x2 = x.reshape(-1, x.shape[-1])
+        if reuse_add and add.is_contiguous():
+            add.view(-1, add.shape[-1]).addmm_(x2, w.t())
+            return add
+        return torch.addmm(add.reshape(-1, add.shape[-1]), x2, w.t()).view(add.shape)
     return skinny_linear(x, w, add)
 
 

@@ -45,6 +45,16 @@ def test_linear_falls_back_to_torch_off_gpu_or_for_many_rows():
     assert torch.allclose(linear(x, w, a), a + x @ w.t(), atol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 6])
+def test_linear_reuse_add_accumulates_in_place(m):
+    """reuse_add: the cuBLAS path adds into `add` itself (no copy of it first), same values."""
+    x, w, a = torch.randn(m, 32).to(DEV), torch.randn(300, 32).to(DEV), torch.randn(m, 300).to(DEV)
+    want = linear(x, w, a)
+    got = linear(x, w, a, reuse_add=True)
+    assert got.data_ptr() == a.data_ptr()
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 3, 9])
 def test_heads_linear_bf16_mla_shapes(t):
