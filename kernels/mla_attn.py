@@ -62,6 +62,45 @@ def _work_split(plen_ptr, B, T, P, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_
 
 
 @triton.jit
+def _attend_tile(q_lo, q_hi, qr, ckv, kpe, sc_s, sk_s, n0, end, plen, m_i, l_2d, acc_lo, acc_hi, qk_scale,
+                 vis_rows, rok, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                 NEW: tl.constexpr):
+    """One online-softmax step over cache positions n0 .. min(n0 + BLOCK_N, end): scores of the
+    query rows (latent halves q_lo/q_hi, rope qr) against the cached latent + rope, masked to
+    the rows `rok` and, for NEW tiles (tree nodes at positions >= plen), to `vis_rows`
+    (per row, a pointer to its uint8 visibility row); returns the updated (max, sum, acc).
+    The softmax sum is kept per score column, `l_2d` [BM, BN], and summed over the columns
+    once after the loop: one cross-warp reduction per tile (the max) instead of two."""
+    half: tl.constexpr = DL // 2
+    dl = tl.arange(0, half)
+    dr = tl.arange(0, DR)
+    pos = n0 + tl.arange(0, BLOCK_N)
+    pok = pos < end
+    k_rows = ckv + pos[:, None] * sc_s + dl[None, :]
+    k_lo = tl.load(k_rows, mask=pok[:, None], other=0.0)                                  # [BN, DL/2]
+    k_hi = tl.load(k_rows + half, mask=pok[:, None], other=0.0)                           # [BN, DL/2]
+    kr = tl.load(kpe + pos[:, None] * sk_s + dr[None, :], mask=pok[:, None], other=0.0)  # [BN, DR]
+    # three independent MMA chains (latent halves, rope) instead of one over 576 dims; each
+    # product is scaled before the sum so the compiler does not chain them as accumulators
+    s = (tl.dot(q_lo, tl.trans(k_lo), input_precision=PREC) * qk_scale
+         + tl.dot(q_hi, tl.trans(k_hi), input_precision=PREC) * qk_scale
+         + tl.dot(qr, tl.trans(kr), input_precision=PREC) * qk_scale)                    # [BM, BN]
+    mask = rok[:, None] & pok[None, :]
+    if NEW:
+        mask &= tl.load(vis_rows + (pos - plen)[None, :], mask=mask, other=0) != 0
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_2d = l_2d * alpha[:, None] + p
+    p = p.to(k_lo.dtype)
+    acc_lo = tl.dot(p, k_lo, acc_lo * alpha[:, None], input_precision=PREC)             # [BM, DL/2]
+    acc_hi = tl.dot(p, k_hi, acc_hi * alpha[:, None], input_precision=PREC)
+    return m_new, l_2d, acc_lo, acc_hi
+
+
+@triton.jit
 def _mla_split_kernel(
     # queries [B, T, H, DL] and [B, T, H, DR] (last dim contiguous)
     q_lat_ptr, q_rope_ptr, sq_b, sq_t, sq_h, sr_b, sr_t, sr_h,
@@ -104,53 +143,49 @@ def _mla_split_kernel(
         end = tl.minimum(start + chunk, kv_len)
     b64 = b.to(tl.int64)
     plen = kv_len - T
+    ckv = ckv_ptr + b64 * sc_b
+    kpe = kpe_ptr + b64 * sk_b
 
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rok = rows < R
     t = rows // H
     h = rows % H
-    dl = tl.arange(0, DL)
+    half: tl.constexpr = DL // 2
+    dl = tl.arange(0, half)
     dr = tl.arange(0, DR)
-    q = tl.load(q_lat_ptr + b64 * sq_b + t[:, None] * sq_t + h[:, None] * sq_h + dl[None, :],
-                mask=rok[:, None], other=0.0)                                     # [BM, DL]
+    q_rows = q_lat_ptr + b64 * sq_b + t[:, None] * sq_t + h[:, None] * sq_h + dl[None, :]
+    q_lo = tl.load(q_rows, mask=rok[:, None], other=0.0)                          # [BM, DL/2]
+    q_hi = tl.load(q_rows + half, mask=rok[:, None], other=0.0)                   # [BM, DL/2]
     qr = tl.load(q_rope_ptr + b64 * sr_b + t[:, None] * sr_t + h[:, None] * sr_h + dr[None, :],
                  mask=rok[:, None], other=0.0)                                    # [BM, DR]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DL], tl.float32)
-    ckv = ckv_ptr + b64 * sc_b
-    kpe = kpe_ptr + b64 * sk_b
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pok = pos < end
-        k = tl.load(ckv + pos[:, None] * sc_s + dl[None, :], mask=pok[:, None], other=0.0)   # [BN, DL]
-        kr = tl.load(kpe + pos[:, None] * sk_s + dr[None, :], mask=pok[:, None], other=0.0)  # [BN, DR]
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        s = tl.dot(qr, tl.trans(kr), s, input_precision=PREC) * qk_scale                    # [BM, BN]
-        node = pos - plen                                                                    # tree node or < 0
-        mask = rok[:, None] & (pok & (node < 0))[None, :]
-        if n0 + BLOCK_N > plen:                      # tile reaches the new tokens
-            seen = tl.load(vis_ptr + b64 * sv_b + t[:, None] * sv_t + node[None, :],
-                           mask=rok[:, None] & (pok & (node >= 0))[None, :], other=0)
-            mask = mask | (seen != 0)
-        s = tl.where(mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None], input_precision=PREC)           # [BM, DL]
-        m_i = m_new
+    l_2d = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, half], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, half], tl.float32)
+    # prefix tiles (all visible), then the tiles of new tokens (visibility mask): two loops so
+    # the long one has no mask load (with one, Triton 3.6 kept the softmax state in two layouts
+    # and converted every score tile between them)
+    for n0 in range(start, tl.minimum(end, plen), BLOCK_N):
+        m_i, l_2d, acc_lo, acc_hi = _attend_tile(
+            q_lo, q_hi, qr, ckv, kpe, sc_s, sk_s, n0, tl.minimum(end, plen), plen, m_i, l_2d, acc_lo, acc_hi,
+            qk_scale, vis_ptr + b64 * sv_b + t[:, None] * sv_t, rok, DL, DR, BLOCK_N, PREC, False)
+    for n0 in range(tl.maximum(start, plen), end, BLOCK_N):
+        m_i, l_2d, acc_lo, acc_hi = _attend_tile(
+            q_lo, q_hi, qr, ckv, kpe, sc_s, sk_s, n0, end, plen, m_i, l_2d, acc_lo, acc_hi,
+            qk_scale, vis_ptr + b64 * sv_b + t[:, None] * sv_t, rok, DL, DR, BLOCK_N, PREC, True)
 
+    l_i = tl.sum(l_2d, axis=1)
     if DIRECT:
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]         # l = 0 only on padding rows
-        tl.store(out_ptr + b64 * so_b + t[:, None] * so_t + h[:, None] * so_h + dl[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=rok[:, None])
+        inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]          # l = 0 only on padding rows
+        o_rows = out_ptr + b64 * so_b + t[:, None] * so_t + h[:, None] * so_h + dl[None, :]
+        tl.store(o_rows, (acc_lo * inv).to(out_ptr.dtype.element_ty), mask=rok[:, None])
+        tl.store(o_rows + half, (acc_hi * inv).to(out_ptr.dtype.element_ty), mask=rok[:, None])
     else:
         live = rok & ((rows * 0 + start) < end)
         part = w.to(tl.int64) * R + rows                                                      # [BM]
-        tl.store(o_part_ptr + part[:, None] * DL + dl[None, :], acc, mask=live[:, None])
+        tl.store(o_part_ptr + part[:, None] * DL + dl[None, :], acc_lo, mask=live[:, None])
+        tl.store(o_part_ptr + part[:, None] * DL + half + dl[None, :], acc_hi, mask=live[:, None])
         tl.store(m_part_ptr + part, m_i, mask=live)
         tl.store(l_part_ptr + part, l_i, mask=live)
 
@@ -211,7 +246,8 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
                   prefix_len: torch.Tensor, visible: torch.Tensor, scale: float, *,
                   block_m: int | None = None, block_n: int | None = None, num_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  waves: float | None = None, min_chunk: int | None = None, pdl: bool = False) -> torch.Tensor:
+                  waves: float | None = None, min_chunk: int | None = None, pdl: bool = False,
+                  merge_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Triton MLA attention with `mla_attention_ref`'s signature and semantics.
 
     q_lat `[B, T, H, L]`, q_rope `[B, T, H, R]`, ckv `[B, S, L]`, kpe `[B, S, R]`, prefix_len
@@ -288,8 +324,11 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         # [BLOCK_S, BM, BD] fp32 partials per load: 8192 values = 64 registers a thread at 4 warps
         bm, bd = min(16, triton.next_power_of_2(rows)), min(32, dl)
         bs = max(2, min(32, 8192 // (bm * bd)))
+        merge_warps = 4
+        if merge_tile is not None:
+            bd, bs, merge_warps = merge_tile
         _mla_combine_kernel[(triton.cdiv(rows, bm), dl // bd, b)](
             o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
             b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk,
-            BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+            BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, PDL=pdl, num_warps=merge_warps, **({"launch_pdl": True} if pdl else {}))
     return out
