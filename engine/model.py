@@ -62,6 +62,15 @@ class Ops:
         xn, h = norm(x, residual=residual) if residual is not None else (norm(x), x)
         return self.glu_linear(xn, w) if glu else linear(xn, w), h
 
+    def rope_linear(self, x, w, cos, sin, head, offset):
+        """x W^T `[.., N]` as heads of `head` columns with interleaved rope (cos/sin `[.., R/2]`)
+        on columns offset.. of each: the skinny GEMM's epilogue where `fuses`, else rope_ after."""
+        if self.fuses(x, w):
+            return skinny.skinny_linear(x, w, rope=(cos, sin, head, offset))
+        y = linear(x, w)
+        self.rope_(y.view(*y.shape[:-1], -1, head), cos, sin, offset)            # [.., N/head, head], in place
+        return y
+
     def glu_linear(self, x, w):
         """SiLU(x gate^T) * (x up^T) for w = [gate | up] rows `[2I, K]` -> `[.., I]`."""
         if self.fuses(x, w):
@@ -126,8 +135,8 @@ class MLA(nn.Module):
         # into the cache at prefix_len[b] + j
         q_a = self.ops.mla_a_post(qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin,
                                   cache.ckv[self.layer], cache.kpe[self.layer], prefix_len, cfg.norm_eps)
-        q = self.wq_b(q_a).view(b, t, nh, dn + dr)                              # [B, T, nh, Dn+Dr]
-        self.ops.rope_(q, cos, sin, dn)                                         # rope dims, in place
+        q = self.ops.rope_linear(q_a, self.wq_b.weight, cos, sin, dn + dr, dn)  # wq_b, rope on the rope dims
+        q = q.view(b, t, nh, dn + dr)                                           # [B, T, nh, Dn+Dr]
         q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
         wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]
         q_lat = heads_linear(q_nope, wkv_b[:, :dn].transpose(1, 2))            # [B, T, nh, L]

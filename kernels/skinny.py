@@ -32,10 +32,13 @@ def _skinny_kernel(
     # RMSNorm prologue (one batch): x := h / rms(h) * nw with h = res + x (or x); outputs of the
     # whole rows, split over the programs: h [M, K], xn = the normed x [M, K], xp = xn in GEMV order [M, 2K]
     res_ptr, nw_ptr, h_ptr, xn_ptr, xp_ptr, stride_rm, stride_hm, stride_xnm, stride_xpm, eps,
+    # rope epilogue (one batch): interleaved rope of columns ROPE_OFF.. of each HEAD-wide head, cos/sin [M, R/2]
+    cos_ptr, sin_ptr, stride_cs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_ADD: tl.constexpr, NUM_STAGES: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_H: tl.constexpr, OUT_XN: tl.constexpr, OUT_XP: tl.constexpr,
     WB: tl.constexpr,                     # K columns of the norm outputs per program
     GLU: tl.constexpr,                    # y = SiLU(x W[n]^T) * x W[N + n]^T (W = [gate | up] rows)
+    ROPE: tl.constexpr, HEAD: tl.constexpr, ROPE_OFF: tl.constexpr,
 ):
     """Program (column block, batch): y[b, :, n] = x[b] W[b, n]^T (+ add) for BN columns.
 
@@ -75,6 +78,8 @@ def _skinny_kernel(
     if GLU:
         up = tl.sum(acc3_up, 2) * rstd[:, None]
         acc = acc / (1.0 + tl.exp(-acc)) * up
+    if ROPE:
+        acc = _rope_cols(acc, n, m, m_ok, cos_ptr, sin_ptr, stride_cs, HEAD, ROPE_OFF, BM, BN)
     mn = m_ok[:, None] & n_ok[None, :]
     if HAS_ADD:
         acc += tl.load(add_ptr + b * stride_ab + m[:, None] * stride_am + n[None, :], mask=mn).to(tl.float32)
@@ -94,6 +99,22 @@ def _skinny_kernel(
             tl.store(xn_ptr + m[:, None] * stride_xnm + kw[None, :], xn, mask=mk)
         if OUT_XP:
             store_permuted(xp_ptr + m[:, None] * stride_xpm, kw[None, :], xn.to(tl.float32), mk)
+
+
+@triton.jit
+def _rope_cols(acc, n, m, m_ok, cos_ptr, sin_ptr, stride_cs, HEAD: tl.constexpr, OFF: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr):
+    """Interleaved rope of the columns n (BN even, pairs (2i, 2i+1) side by side) whose place
+    in their HEAD-wide head is >= OFF: y[2i] = x[2i] c - x[2i+1] s, y[2i+1] = x[2i] s + x[2i+1] c."""
+    d = n % HEAD - OFF                                                   # [BN] rope dim (< 0: not roped)
+    i = tl.maximum(d, 0) // 2
+    cs_mask = m_ok[:, None] & (d >= 0)[None, :]
+    c = tl.load(cos_ptr + m[:, None] * stride_cs + i[None, :], mask=cs_mask, other=1.0)    # [BM, BN]
+    s = tl.load(sin_ptr + m[:, None] * stride_cs + i[None, :], mask=cs_mask, other=0.0)
+    even, odd = tl.split(tl.reshape(acc, [BM, BN // 2, 2]))                                # [BM, BN/2] each
+    partner = tl.reshape(tl.join(odd, even), [BM, BN])                                     # x[n ^ 1]
+    sign = tl.where(n % 2 == 0, -1.0, 1.0)[None, :]
+    return acc * c + sign * partner * s
 
 
 def tiles(m: int, n: int, k: int, n_sms: int = 132, glu: bool = False) -> tuple[int, int, int]:
@@ -148,14 +169,16 @@ def heads_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
                   tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4,
-                  glu: bool = False) -> torch.Tensor:
+                  glu: bool = False, rope: tuple | None = None) -> torch.Tensor:
     """The Triton path of `linear`, any device Triton runs on (tests use the interpreter).
-    glu: w `[2I, K]` holds gate rows then up rows; returns SiLU(x gate^T) * (x up^T) `[.., I]`."""
+    glu: w `[2I, K]` holds gate rows then up rows; returns SiLU(x gate^T) * (x up^T) `[.., I]`.
+    rope: (cos, sin, head, offset): the output is heads of `head` columns and columns
+    offset.. of each get interleaved rope (`fused_ops.rope_ref_`); cos/sin `[.., R/2]` per row."""
     k, n = x.shape[-1], w.shape[0] // (2 if glu else 1)
     x2 = x.reshape(-1, k)
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     skinny_bmm(x2[None], w[None], y[None], None if add is None else add.reshape(1, -1, n), tile, num_warps,
-               num_stages, glu=glu)
+               num_stages, glu=glu, rope=rope)
     return y.view(*x.shape[:-1], n)
 
 
@@ -201,11 +224,12 @@ def norm_linear_ref(x, norm_w, eps, w, residual=None, glu=False):
 
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.Tensor | None = None,
                tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4,
-               glu: bool = False, norm: tuple | None = None) -> torch.Tensor:
+               glu: bool = False, norm: tuple | None = None, rope: tuple | None = None) -> torch.Tensor:
     """out[b] = x[b] @ w[b]^T (+ add[b]): x `[B, M, K]`, w `[B, N, K]`, out `[B, M, N]`, any
     strides except unit strides on the last dims of x, out and add (w may be a transposed view).
     glu: w `[B, 2N, K]`, out = SiLU(x gate^T) * x up^T. norm (B = 1, contiguous x): the
-    prologue's (norm_w, eps, residual, h, xn, xp) as `norm_linear` (outputs may be None)."""
+    prologue's (norm_w, eps, residual, h, xn, xp) as `norm_linear` (outputs may be None).
+    rope (B = 1): (cos, sin, head, offset) as `skinny_linear`."""
     bsz, m, k = x.shape
     n = out.shape[2]
     if w.shape[1] != (2 * n if glu else n):
@@ -215,6 +239,15 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
             raise ValueError(f"skinny_bmm needs {name} with a contiguous last dim")
     a = add if add is not None else out
     bm, bn, bk = tile or tiles(m, n, k, sm_count(x.device) // max(1, bsz), glu)
+    cos = sin = None
+    if rope is not None:
+        cos, sin, head, rope_off = rope
+        cos, sin = (t.reshape(m, -1).float().contiguous() for t in (cos, sin))          # [M, R/2]
+        if bsz != 1 or head % 2 or rope_off % 2 or 2 * cos.shape[1] != head - rope_off or n % head:
+            raise ValueError(f"skinny_bmm: rope needs one batch, whole heads of {head} columns, {head - rope_off} "
+                             f"rope dims (cos/sin {tuple(cos.shape)}), even offsets")
+        if bn < 2:             # the pairs (2i, 2i+1) in one tile
+            bn, bk = 2, min(bk, max(64, 4096 // bm))
     grid = (triton.cdiv(n, bn), bsz)
     norm_w, eps, res, h, xn, xp = norm or (None, 0.0, None, None, None, None)
     if norm is not None and (bsz != 1 or x.stride(1) != k):
@@ -228,7 +261,9 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
         a.stride(0), a.stride(1), out.stride(0), out.stride(1),
         *(t if t is not None else xs for t in (res, norm_w, h, xn, xp)),
         *(t.stride(0) if t is not None else 0 for t in (res, h, xn, xp)), eps,
+        cos if cos is not None else xs, sin if sin is not None else xs, 0 if cos is None else cos.stride(0),
         BM=bm, BN=bn, BK=bk, HAS_ADD=add is not None, NUM_STAGES=num_stages,
         NORM=norm is not None, HAS_RES=res is not None, OUT_H=h is not None, OUT_XN=xn is not None,
-        OUT_XP=xp is not None, WB=wb, GLU=glu, num_warps=num_warps)
+        OUT_XP=xp is not None, WB=wb, GLU=glu,
+        ROPE=rope is not None, HEAD=rope[2] if rope else 1, ROPE_OFF=rope[3] if rope else 0, num_warps=num_warps)
     return out

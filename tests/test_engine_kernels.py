@@ -101,13 +101,13 @@ def _decode_step(model, seed=3, plen=5):
 
 
 def _small_inter_models(dtype, device, ref_fused="torch", attn="torch"):
-    """tiny with w13 [256, 256] (N <= K, as in K2.6, so the skinny path takes it): a
-    reference and a fused-ops model with the same weights."""
+    """tiny with w13 [256, 256] and wq_b [128, 128] (N <= K, as in K2.6, so the skinny path
+    takes them): a reference and a fused-ops model with the same weights."""
     from engine.config import preset
     from engine.model import Transformer
     from engine.weights import init_random
 
-    cfg = preset("tiny", dense_inter=128, moe_inter=128)
+    cfg = preset("tiny", dense_inter=128, moe_inter=128, n_heads=4, q_lora_rank=128)
     ref = Transformer(cfg, moe_backend="triton", attn_backend=attn, device=device, dtype=dtype, fused=ref_fused)
     init_random(ref, 0, mode="exact")
     tri = Transformer(cfg, moe_backend="triton", attn_backend=attn, device=device, dtype=dtype, fused="triton")
@@ -119,16 +119,16 @@ def _small_inter_models(dtype, device, ref_fused="torch", attn="torch"):
 def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows):
     """Ops 'triton' with `skinny.fits` opened to any device and fp32 (the interpreter on
     CPU): attn_norm in wqkv_a, ffn_norm in the router gate (which also writes the MoE's
-    permuted x) and in the dense w13, SiLU(gate) * up in the w13 GEMMs give the logits of the
-    torch ops. With skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again."""
+    permuted x) and in the dense w13, SiLU(gate) * up in the w13 GEMMs, q's rope in wq_b give
+    the logits of the torch ops. With skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again."""
     from kernels import fused_ops, moe_gemv, skinny
 
     monkeypatch.setattr(skinny, "MAX_ROWS", max_rows)
     monkeypatch.setattr(skinny, "fits", lambda x, w: 0 < x.numel() // x.shape[-1] <= skinny.MAX_ROWS
                         and w.shape[0] <= w.shape[1])
-    calls = {"norm_linear": 0, "permute_rows": 0, "rms_norm": 0, "silu_mul": 0}
+    calls = {"norm_linear": 0, "permute_rows": 0, "rms_norm": 0, "silu_mul": 0, "rope_": 0}
     for mod, name in ((skinny, "norm_linear"), (moe_gemv, "permute_rows"), (fused_ops, "rms_norm"),
-                      (fused_ops, "silu_mul")):
+                      (fused_ops, "silu_mul"), (fused_ops, "rope_")):
         fn = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _fn(*a, **k))
     ref, tri = _small_inter_models(torch.float32, DEV)
@@ -139,10 +139,11 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows):
     n_moe = cfg.n_layers - cfg.n_dense_layers
     # counts over both models; the reference (torch ops) permutes twice per MoE layer
     if max_rows:  # 2 norms per block fused (the final norm stays); the MoE permutes only its w2 input
-        want = {"norm_linear": 2 * cfg.n_layers, "permute_rows": 2 * n_moe + n_moe, "rms_norm": 1, "silu_mul": 0}
+        want = {"norm_linear": 2 * cfg.n_layers, "permute_rows": 2 * n_moe + n_moe, "rms_norm": 1, "silu_mul": 0,
+                "rope_": 0}
     else:
         want = {"norm_linear": 0, "permute_rows": 4 * n_moe, "rms_norm": 2 * cfg.n_layers + 1,
-                "silu_mul": cfg.n_layers}
+                "silu_mul": cfg.n_layers, "rope_": cfg.n_layers}
     assert calls == want, calls
 
 

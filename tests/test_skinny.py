@@ -105,6 +105,26 @@ def test_norm_linear_matches_unfused(dtype, m, n, k, res, glu):
     assert torch.equal(y1, y) and xn1 is None and xp1 is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,heads,tile", [(1, 3, None), (3, 2, (4, 2, 64)), (4, 5, None), (1, 3, (1, 8, 64)),
+                                          (2, 4, (2, 16, 32))])
+def test_rope_epilogue_matches_rope_after_linear(dtype, m, heads, tile):
+    """skinny_linear(rope=) == linear then fused_ops.rope_ref_ on each head's rope dims (as
+    MLA's wq_b then q rope), incl. tiles of 2 columns (one pair)."""
+    from kernels.fused_ops import rope_ref_
+
+    g = torch.Generator().manual_seed(m + heads)
+    dn, dr, k = 12, 8, 64
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    w = (torch.randn(heads * (dn + dr), k, generator=g) * k ** -0.5).to(DEV, dtype)
+    ang = torch.randn(m, dr // 2, generator=g).to(DEV)
+    want = (x.float() @ w.float().t()).view(1, m, heads, dn + dr)
+    rope_ref_(want, ang.cos().view(1, m, -1), ang.sin().view(1, m, -1), dn)
+    got = skinny_linear(x, w, tile=tile, rope=(ang.cos(), ang.sin(), dn + dr, dn))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(got.float(), want.view(m, -1), **tol)
+
+
 @pytest.mark.parametrize("m", [1, 3])
 def test_glu_epilogue_matches_silu_mul(m):
     from kernels.fused_ops import silu_mul_ref
@@ -174,3 +194,17 @@ def test_glu_bf16_k26_shapes(m, n):
     w = torch.randn(2 * n, 7168, device="cuda", dtype=torch.bfloat16) * 7168 ** -0.5
     want = silu_mul_ref(x.float() @ w.float().t())
     assert _rel(skinny_linear(x, w, glu=True), want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_rope_bf16_k26_wq_b(m):
+    """MLA's wq_b at TP-8 (8 heads x (128 nope + 64 rope) <- 1536) with q's rope in the epilogue."""
+    from kernels.fused_ops import rope_ref_
+
+    x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1536, 1536, device="cuda", dtype=torch.bfloat16) * 1536 ** -0.5
+    ang = torch.randn(m, 32, device="cuda") * 3
+    want = (x.float() @ w.float().t()).view(1, m, 8, 192)
+    rope_ref_(want, ang.cos().view(1, m, -1), ang.sin().view(1, m, -1), 128)
+    assert _rel(skinny_linear(x, w, rope=(ang.cos(), ang.sin(), 192, 128)), want.view(m, -1)) < 1e-2

@@ -2,8 +2,8 @@
 
 python3 scripts/gpu/skinny_bench.py [OUT_DIR]: each shape in CUDA graphs of 20 calls over
 rotated weights (so W comes from DRAM), GB/s of W against the measured copy bandwidth.
-Then the fused GEMMs the engine uses (norm prologue, SiLU epilogue) against the launches
-they replace (rms_norm -> skinny GEMM -> silu_mul / permute_rows), same timing.
+Then the fused GEMMs the engine uses (norm prologue, SiLU or rope epilogue) against the
+launches they replace (rms_norm -> skinny GEMM -> silu_mul / permute_rows / rope_), same timing.
 Writes OUT_DIR/skinny_bench.csv and OUT_DIR/skinny_fused_bench.csv and prints tables. About 30 s.
 """
 import csv
@@ -51,19 +51,26 @@ for r in rows:
     print(f"{r['gemm']:11s} {r['m']:2d} {r['n']:5d} {r['k']:5d} {r['tile']:>10} {r['skinny_us']:9.2f} {r['cublas_us']:9.2f} "
           f"{r['skinny_pct_copy']:7.1f} {r['cublas_pct_copy']:7.1f} {r['rel_err']:>8}")
 
-# fused (one launch) vs unfused (the launches the engine ran before): name -> (N out, norm, glu, normed x + gemv order)
-FUSED = {"attn_norm+wqkv_a": (2112, True, False, False), "ffn_norm+router(+xn,xp)": (384, True, False, True),
-         "shared_w13+silu": (256, False, True, False), "ffn_norm+dense_w13+silu": (2304, True, True, False)}
-K = 7168
+# fused (one launch) vs unfused (the launches the engine ran before):
+# name -> (N out, K, norm, glu, normed x + gemv order, q rope)
+FUSED = {"attn_norm+wqkv_a": (2112, 7168, True, False, False, False),
+         "ffn_norm+router(+xn,xp)": (384, 7168, True, False, True, False),
+         "shared_w13+silu": (256, 7168, False, True, False, False),
+         "ffn_norm+dense_w13+silu": (2304, 7168, True, True, False, False),
+         "wq_b+rope": (1536, 1536, False, False, False, True)}
 fused_rows = []
-for (name, (n, norm, glu, side)), m in itertools.product(FUSED.items(), (1, 4)):
+for (name, (n, K, norm, glu, side, rope)), m in itertools.product(FUSED.items(), (1, 4)):
     ws = [torch.randn(n * (2 if glu else 1), K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(20)]
     x, r = torch.randn(m, K, device=dev, dtype=torch.bfloat16), torch.randn(m, K, device=dev, dtype=torch.bfloat16)
     nw = 1 + 0.1 * torch.randn(K, device=dev, dtype=torch.bfloat16)
+    ang = torch.randn(1, m, 32, device=dev)
+    cos, sin = ang.cos(), ang.sin()
 
     def fused(w):
         if norm:
             return norm_linear(x, nw, 1e-5, w, r, glu=glu, out_xn=side, out_xp=side)[0]
+        if rope:
+            return skinny_linear(x, w, rope=(cos, sin, 192, 128))
         return skinny_linear(x, w, glu=True)
 
     def unfused(w):
@@ -71,6 +78,8 @@ for (name, (n, norm, glu, side)), m in itertools.product(FUSED.items(), (1, 4)):
         y = skinny_linear(xn, w)
         if side:
             permute_rows(xn)
+        if rope:
+            fused_ops.rope_(y.view(1, m, -1, 192), cos, sin, 128)
         return fused_ops.silu_mul(y) if glu else y
 
     err = ((fused(ws[0]).float() - unfused(ws[0]).float()).norm() / unfused(ws[0]).float().norm()).item()
