@@ -237,22 +237,28 @@ def _route_kernel(
     stride_l, E, scaling,
     K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """One program per token. Top-k by k rounds of one max over int64 keys that order by
+    (score + bias, then lower expert index): the fp32 bits made order-preserving as int32,
+    shifted up, with BLOCK_E - 1 - index below. The weights are gathered after the loop."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
-    z = tl.load(logits_ptr + row * stride_l + offs, mask=m, other=0.0).to(tl.float32)
-    s = 1.0 / (1.0 + tl.exp(-z))
-    sel = tl.where(m, s + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32), float("-inf"))
+    lrow = logits_ptr + row * stride_l
+    z = tl.load(lrow + offs, mask=m, other=0.0).to(tl.float32)
+    sel = tl.where(m, 1.0 / (1.0 + tl.exp(-z)) + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32),
+                   float("-inf"))
+    bits = sel.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)                   # signed order == float order
+    key = (bits.to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
     ko = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    ws = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for j in tl.static_range(K):   # k rounds of argmax: top-k in descending order
-        best = tl.max(sel, axis=0)
-        idx = tl.min(tl.where(sel == best, offs, BLOCK_E), axis=0)   # lowest index among ties
-        wj = tl.sum(tl.where(offs == idx, s, 0.0), axis=0)
+    for j in tl.static_range(K):   # k rounds: top-k in descending order, lowest index among ties
+        best = tl.max(key, axis=0)
+        idx = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
         ids = tl.where(ko == j, idx, ids)
-        ws = tl.where(ko == j, wj, ws)
-        sel = tl.where(offs == idx, float("-inf"), sel)
+        key = tl.where(offs == idx, -9223372036854775807 - 1, key)
+    zk = tl.load(lrow + ids, mask=ko < K, other=0.0).to(tl.float32)
+    ws = tl.where(ko < K, 1.0 / (1.0 + tl.exp(-zk)), 0.0)
     ws = ws / tl.sum(ws, axis=0) * scaling
     tl.store(ids_ptr + row * K + ko, ids, mask=ko < K)
     tl.store(w_ptr + row * K + ko, ws, mask=ko < K)
@@ -272,5 +278,5 @@ def route(logits, bias, top_k, scaling):
     ids = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)
     w = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
     _route_kernel[(n,)](lg, bias, ids, w, lg.stride(0), e, float(scaling),
-                        K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), num_warps=4)
+                        K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), num_warps=1)
     return ids, w

@@ -163,3 +163,20 @@ def test_gpu_bf16_fused_decode_step_close_to_unfused(monkeypatch):
     for a in (got, want):
         assert a.isfinite().all() and ((a.float() - exact).norm() / exact.norm()).item() < 5e-2
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 5e-2
+
+
+def test_route_negative_scores_and_ties_pick_lowest_index():
+    """The int64 keys order negative score + bias correctly and break ties to the lower expert."""
+    e, k = 40, 6
+    logits = torch.zeros(3, e, device=DEV)
+    logits[1] = torch.linspace(-3, 3, e, device=DEV)                  # distinct, some scores below -bias
+    logits[2, ::5] = 2.0                                               # 8 tied maxima at 0, 5, 10, ..
+    bias = torch.full((e,), -1.2, device=DEV)                          # every score + bias < 0
+    ids, w = F.route(logits, bias, k, 2.827)
+    assert ids[0].tolist() == list(range(k))                           # all tied: lowest indices
+    assert ids[1].tolist() == list(range(e - 1, e - 1 - k, -1))
+    assert ids[2].tolist() == [0, 5, 10, 15, 20, 25]
+    ids1, w1 = F.route_ref(logits[1:2], bias, k, 2.827)
+    assert torch.equal(ids[1:2], ids1)
+    torch.testing.assert_close(w[1:2], w1)
+    torch.testing.assert_close(w.sum(-1), torch.full((3,), 2.827, device=DEV))
