@@ -158,19 +158,24 @@ class MLP(nn.Module):
         self.w13 = ColumnParallelLinear(hidden, 2 * inter, comm, device, dtype)
         self.w2 = RowParallelLinear(inter, hidden, comm, device, dtype)
 
-    def forward(self, x, reduce: bool = True, add=None):
-        """`add` (same shape as the output, overwritten) is summed into the down GEMM (addmm_, one kernel)."""
-        return self.down(self.ops.glu_linear(x, self.w13.weight), reduce, add)   # [.., 2I/tp] -> [.., I/tp]
+    def forward(self, x, reduce: bool = True, add=None, add_rows: int = 1):
+        """`add` (same shape as the output, overwritten) is summed into the down GEMM (addmm_, one
+        kernel); with add_rows > 1 add has that many rows per row of x, summed into the skinny
+        down GEMM's epilogue (the routed experts' k rows of each token)."""
+        return self.down(self.ops.glu_linear(x, self.w13.weight), reduce, add, add_rows)   # [.., 2I/tp] -> [.., I/tp]
 
     def forward_normed(self, a, h, norm: RMSNorm):
         """The dense block's FFN: -> (mlp(norm(h + a)), h + a); the norm rides in w13's GEMM."""
         act, h = self.ops.norm_linear(norm, a, h, self.w13.weight, glu=True)   # [.., I/tp]
         return self.down(act), h
 
-    def down(self, act, reduce: bool = True, add=None):
+    def down(self, act, reduce: bool = True, add=None, add_rows: int = 1):
         if add is None:
             return self.w2(act, reduce=reduce)                                 # [.., H]
-        y = linear(act, self.w2.weight, add=add, reuse_add=True)               # add + act W2^T (into add)
+        if add_rows > 1:                                                       # sum of add's rows + act W2^T
+            y = skinny.skinny_linear(act, self.w2.weight, add=add, add_rows=add_rows)
+        else:
+            y = linear(act, self.w2.weight, add=add, reuse_add=True)           # add + act W2^T (into add)
         return self.w2.comm.all_reduce(y) if reduce else y
 
 
@@ -214,10 +219,13 @@ class MoE(nn.Module):
                 xf, res = norm(af, residual=res)                              # res += a; xf = norm(res)
             with phase("moe"):
                 ids, w = self.ops.route(xf, self.gate, self.bias, cfg.top_k, cfg.routed_scaling)  # [N, k]
+        # with xp (CUDA-core expert path, skinny path) the k expert rows of each token are
+        # summed in the shared expert's down GEMM, not by the MoE's own last launch
+        k_rows = cfg.top_k if xp is not None else 1
         with phase("moe"):
-            y = fused_moe(xf, ids, w, experts, self.backend, x_perm=xp)       # [N, H] partial
+            y = fused_moe(xf, ids, w, experts, self.backend, x_perm=xp, sum_k=k_rows == 1)  # [N * k_rows, H]
         with phase("mlp"):
-            y = self.shared(xf, reduce=False, add=y)                           # routed + shared
+            y = self.shared(xf, reduce=False, add=y, add_rows=k_rows)         # routed + shared [N, H]
         return self.comm.all_reduce(y).view(b, t, h), res.view(b, t, h)       # [B, T, H] each
 
 

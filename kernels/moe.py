@@ -58,26 +58,30 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MarlinMoE,
-              backend: str = "torch", x_perm: torch.Tensor | None = None) -> torch.Tensor:
-    """The MoE GEMM; `backend` is 'torch' (reference) or 'triton'. x_perm (optional, used
-    only on the CUDA-core path, see `uses_gemv`): x already in that path's activation order,
-    `kernels.moe_gemv.permute_rows(x)`; it saves the path's first launch."""
+              backend: str = "torch", x_perm: torch.Tensor | None = None, sum_k: bool = True) -> torch.Tensor:
+    """The MoE GEMM; `backend` is 'torch' (reference) or 'triton'. Two options of the
+    CUDA-core path only (triton backend where `uses_gemv`; x_perm is ignored elsewhere):
+    x_perm, x already in that path's activation order (`kernels.moe_gemv.permute_rows(x)`),
+    saves its first launch; sum_k=False returns the k weighted rows per token, fp32
+    `[T*k, H]` (row t*k + j), for the caller to sum (saves its last launch)."""
+    if not sum_k and not (backend == "triton" and uses_gemv(topk_ids.shape[0], topk_ids.shape[1], w, x.device)):
+        raise ValueError("fused_moe(sum_k=False) needs the triton backend's CUDA-core path (uses_gemv)")
     if backend == "torch":
         return fused_moe_ref(x, topk_ids, topk_weights, w)
     if backend == "triton":
         from kernels.moe_triton import check_inputs, fused_moe_triton
 
-        if x_perm is not None:
+        if x_perm is not None or not sum_k:
             cfg = _default_config(topk_ids.shape[0], topk_ids.shape[1], w, x.device)
             if cfg.gemv:
                 from kernels.moe_gemv import fused_moe_gemv
                 from kernels.moe_triton import sm_count
 
                 check_inputs(x, topk_ids, topk_weights, w, cfg)
-                if x_perm.shape != (x.shape[0], 2 * x.shape[1]) or x_perm.dtype != torch.float32:
+                if x_perm is not None and (x_perm.shape != (x.shape[0], 2 * x.shape[1]) or x_perm.dtype != torch.float32):
                     raise ValueError(f"x_perm must be fp32 [{x.shape[0]}, {2 * x.shape[1]}], got "
                                      f"{x_perm.dtype} {tuple(x_perm.shape)}")
-                return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device), x_perm)
+                return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device), x_perm, sum_k)
         return fused_moe_triton(x, topk_ids, topk_weights, w)
     raise ValueError(f"unknown MoE backend {backend!r}; choose torch or triton")
 

@@ -265,13 +265,16 @@ def gemv_w13(x: torch.Tensor, topk_ids: torch.Tensor, routing, w, cfg, n_sms: in
 
 
 def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, routing, w, cfg,
-            dtype: torch.dtype) -> torch.Tensor:
-    """SiLU(gate)*up*weight permuted, w2, sum over k: `gemv_w13`'s output -> `[T, H]` in dtype."""
+            dtype: torch.dtype, sum_k: bool = True) -> torch.Tensor:
+    """SiLU(gate)*up*weight permuted, w2, sum over k: `gemv_w13`'s output -> `[T, H]` in dtype;
+    without sum_k the weighted rows fp32 `[T*k, H]` (row t*k + j: slot j of token t)."""
     t, k = topk_ids.shape
     h = w.hidden
     ids = topk_ids.reshape(-1).to(torch.int32)
     act = permute_rows(mid, topk_weights.reshape(-1).float().contiguous(), mid.shape[0])   # [T*k, 2I]
     y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
+    if not sum_k:
+        return y[0]
     out = torch.empty(t, h, dtype=dtype, device=mid.device)
     block = min(1024, triton.next_power_of_2(h))
     _sum_k_kernel[(t, triton.cdiv(h, block))](y, out, h, TOP_K=k, KP=triton.next_power_of_2(k), BLOCK=block,
@@ -280,13 +283,14 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg,
-                   n_sms: int = 132, x_perm: torch.Tensor | None = None) -> torch.Tensor:
+                   n_sms: int = 132, x_perm: torch.Tensor | None = None, sum_k: bool = True) -> torch.Tensor:
     """x `[T, H]`, routing `[T, k]`, `MarlinMoE` -> `[T, H]` in x's dtype, on the CUDA cores.
     x_perm: `permute_rows(x)` if the caller already has it (kernels.skinny.norm_linear writes it).
+    sum_k False: the k weighted rows per token, fp32 `[T*k, H]`, for the caller to sum.
 
     cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting), block_n13,
     block_n2 (multiples of 64), split_k (0: `gemv_splits`), num_warps, num_stages.
     """
     routing = gemv_routing(topk_ids, w, cfg)
     mid = gemv_w13(x, topk_ids, routing, w, cfg, n_sms, x_perm)
-    return gemv_w2(mid, topk_ids, topk_weights, routing, w, cfg, x.dtype)
+    return gemv_w2(mid, topk_ids, topk_weights, routing, w, cfg, x.dtype, sum_k=sum_k)

@@ -34,7 +34,8 @@ def _skinny_kernel(
     res_ptr, nw_ptr, h_ptr, xn_ptr, xp_ptr, stride_rm, stride_hm, stride_xnm, stride_xpm, eps,
     # rope epilogue (one batch): interleaved rope of columns ROPE_OFF.. of each HEAD-wide head, cos/sin [M, R/2]
     cos_ptr, sin_ptr, stride_cs,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_ADD: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_ADD: tl.constexpr, ADD_ROWS: tl.constexpr,   # add holds ADD_ROWS rows per output row, summed
     NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_H: tl.constexpr, OUT_XN: tl.constexpr, OUT_XP: tl.constexpr,
     WB: tl.constexpr,                     # K columns of the norm outputs per program
     GLU: tl.constexpr,                    # y = SiLU(x W[n]^T) * x W[N + n]^T (W = [gate | up] rows)
@@ -82,7 +83,9 @@ def _skinny_kernel(
         acc = _rope_cols(acc, n, m, m_ok, cos_ptr, sin_ptr, stride_cs, HEAD, ROPE_OFF, BM, BN)
     mn = m_ok[:, None] & n_ok[None, :]
     if HAS_ADD:
-        acc += tl.load(add_ptr + b * stride_ab + m[:, None] * stride_am + n[None, :], mask=mn).to(tl.float32)
+        for j in tl.static_range(ADD_ROWS):
+            acc += tl.load(add_ptr + b * stride_ab + (m * ADD_ROWS + j)[:, None] * stride_am + n[None, :],
+                           mask=mn).to(tl.float32)
     tl.store(y_ptr + b * stride_yb + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mn)
     if NORM and (OUT_H or OUT_XN or OUT_XP):  # this program's WB columns of the norm outputs
         kw = tl.program_id(0) * WB + tl.arange(0, WB)
@@ -169,16 +172,18 @@ def heads_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
                   tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4,
-                  glu: bool = False, rope: tuple | None = None) -> torch.Tensor:
+                  glu: bool = False, rope: tuple | None = None, add_rows: int = 1) -> torch.Tensor:
     """The Triton path of `linear`, any device Triton runs on (tests use the interpreter).
     glu: w `[2I, K]` holds gate rows then up rows; returns SiLU(x gate^T) * (x up^T) `[.., I]`.
     rope: (cos, sin, head, offset): the output is heads of `head` columns and columns
-    offset.. of each get interleaved rope (`fused_ops.rope_ref_`); cos/sin `[.., R/2]` per row."""
+    offset.. of each get interleaved rope (`fused_ops.rope_ref_`); cos/sin `[.., R/2]` per row.
+    add_rows: add has that many rows per row of x (any dtype), their sum is added (e.g. the
+    k weighted expert rows of a token, fp32, summed into the shared expert's down GEMM)."""
     k, n = x.shape[-1], w.shape[0] // (2 if glu else 1)
     x2 = x.reshape(-1, k)
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     skinny_bmm(x2[None], w[None], y[None], None if add is None else add.reshape(1, -1, n), tile, num_warps,
-               num_stages, glu=glu, rope=rope)
+               num_stages, glu=glu, rope=rope, add_rows=add_rows)
     return y.view(*x.shape[:-1], n)
 
 
@@ -224,12 +229,14 @@ def norm_linear_ref(x, norm_w, eps, w, residual=None, glu=False):
 
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.Tensor | None = None,
                tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4,
-               glu: bool = False, norm: tuple | None = None, rope: tuple | None = None) -> torch.Tensor:
+               glu: bool = False, norm: tuple | None = None, rope: tuple | None = None,
+               add_rows: int = 1) -> torch.Tensor:
     """out[b] = x[b] @ w[b]^T (+ add[b]): x `[B, M, K]`, w `[B, N, K]`, out `[B, M, N]`, any
     strides except unit strides on the last dims of x, out and add (w may be a transposed view).
     glu: w `[B, 2N, K]`, out = SiLU(x gate^T) * x up^T. norm (B = 1, contiguous x): the
     prologue's (norm_w, eps, residual, h, xn, xp) as `norm_linear` (outputs may be None).
-    rope (B = 1): (cos, sin, head, offset) as `skinny_linear`."""
+    rope (B = 1): (cos, sin, head, offset) as `skinny_linear`. add_rows: add `[B, M*add_rows, N]`,
+    out[b, i] gets the sum of add rows i*add_rows ..< (i+1)*add_rows."""
     bsz, m, k = x.shape
     n = out.shape[2]
     if w.shape[1] != (2 * n if glu else n):
@@ -237,6 +244,8 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
     for name, t in (("x", x), ("out", out)) + ((("add", add),) if add is not None else ()):
         if t.stride(-1) != 1:
             raise ValueError(f"skinny_bmm needs {name} with a contiguous last dim")
+    if add is not None and tuple(add.shape[1:]) != (m * add_rows, n):
+        raise ValueError(f"skinny_bmm: add {tuple(add.shape)} is not [B, {m} * {add_rows}, {n}]")
     a = add if add is not None else out
     bm, bn, bk = tile or tiles(m, n, k, sm_count(x.device) // max(1, bsz), glu)
     cos = sin = None
@@ -262,7 +271,7 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
         *(t if t is not None else xs for t in (res, norm_w, h, xn, xp)),
         *(t.stride(0) if t is not None else 0 for t in (res, h, xn, xp)), eps,
         cos if cos is not None else xs, sin if sin is not None else xs, 0 if cos is None else cos.stride(0),
-        BM=bm, BN=bn, BK=bk, HAS_ADD=add is not None, NUM_STAGES=num_stages,
+        BM=bm, BN=bn, BK=bk, NUM_STAGES=num_stages, HAS_ADD=add is not None, ADD_ROWS=add_rows,
         NORM=norm is not None, HAS_RES=res is not None, OUT_H=h is not None, OUT_XN=xn is not None,
         OUT_XP=xp is not None, WB=wb, GLU=glu,
         ROPE=rope is not None, HEAD=rope[2] if rope else 1, ROPE_OFF=rope[3] if rope else 0, num_warps=num_warps)

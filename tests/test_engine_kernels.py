@@ -119,18 +119,21 @@ def _small_inter_models(dtype, device, ref_fused="torch", attn="torch"):
 def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows):
     """Ops 'triton' with `skinny.fits` opened to any device and fp32 (the interpreter on
     CPU): attn_norm in wqkv_a, ffn_norm in the router gate (which also writes the MoE's
-    permuted x) and in the dense w13, SiLU(gate) * up in the w13 GEMMs, q's rope in wq_b give
-    the logits of the torch ops. With skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again."""
+    permuted x) and in the dense w13, SiLU(gate) * up in the w13 GEMMs, q's rope in wq_b, the
+    sum over the k expert rows in the shared down GEMM give the logits of the torch ops. With skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again."""
     from kernels import fused_ops, moe_gemv, skinny
 
     monkeypatch.setattr(skinny, "MAX_ROWS", max_rows)
     monkeypatch.setattr(skinny, "fits", lambda x, w: 0 < x.numel() // x.shape[-1] <= skinny.MAX_ROWS
                         and w.shape[0] <= w.shape[1])
-    calls = {"norm_linear": 0, "permute_rows": 0, "rms_norm": 0, "silu_mul": 0, "rope_": 0}
+    calls = {"norm_linear": 0, "permute_rows": 0, "rms_norm": 0, "silu_mul": 0, "rope_": 0, "sum_k": 0}
     for mod, name in ((skinny, "norm_linear"), (moe_gemv, "permute_rows"), (fused_ops, "rms_norm"),
                       (fused_ops, "silu_mul"), (fused_ops, "rope_")):
         fn = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _fn(*a, **k))
+    w2 = moe_gemv.gemv_w2   # counts the MoE's own sums over k (the _sum_k launch)
+    monkeypatch.setattr(moe_gemv, "gemv_w2", lambda *a, sum_k=True: calls.__setitem__("sum_k", calls["sum_k"] + sum_k)
+                        or w2(*a, sum_k=sum_k))
     ref, tri = _small_inter_models(torch.float32, DEV)
     (want, c0), (got, c1) = _decode_step(ref), _decode_step(tri)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -140,10 +143,10 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows):
     # counts over both models; the reference (torch ops) permutes twice per MoE layer
     if max_rows:  # 2 norms per block fused (the final norm stays); the MoE permutes only its w2 input
         want = {"norm_linear": 2 * cfg.n_layers, "permute_rows": 2 * n_moe + n_moe, "rms_norm": 1, "silu_mul": 0,
-                "rope_": 0}
+                "rope_": 0, "sum_k": n_moe}
     else:
         want = {"norm_linear": 0, "permute_rows": 4 * n_moe, "rms_norm": 2 * cfg.n_layers + 1,
-                "silu_mul": cfg.n_layers, "rope_": cfg.n_layers}
+                "silu_mul": cfg.n_layers, "rope_": cfg.n_layers, "sum_k": 2 * n_moe}
     assert calls == want, calls
 
 

@@ -85,6 +85,28 @@ def test_gemv_permute_order():
             assert torch.equal(p[:, 64 * (k // 32) + 8 * i + 4 * kt + t], want)
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_fused_moe_gemv_options_x_perm_and_rows(seed):
+    """fused_moe's CUDA-core options: a pre-permuted x (as the fused router GEMM writes it) and
+    the unsummed k rows give the default call's result; sum_k=False off that path is an error."""
+    from kernels.moe import fused_moe, uses_gemv
+    from kernels.moe_gemv import permute_rows
+
+    tokens = 1   # 4 of 16 experts: the CUDA-core path
+    cfg, w = tiny_weights(8, seed=20 + seed)
+    x = torch.randn(tokens, cfg.hidden, device=DEV, dtype=torch.float16)
+    ids, tw = synthetic_routing("uniform", tokens, cfg.n_experts, cfg.top_k, device=DEV, seed=seed)
+    assert uses_gemv(tokens, cfg.top_k, w, x.device)
+    want = fused_moe(x, ids, tw, w, "triton")
+    got = fused_moe(x, ids, tw, w, "triton", x_perm=permute_rows(x))
+    assert torch.equal(got, want)
+    rows = fused_moe(x, ids, tw, w, "triton", x_perm=permute_rows(x), sum_k=False)
+    assert rows.shape == (tokens * cfg.top_k, cfg.hidden) and rows.dtype == torch.float32
+    torch.testing.assert_close(rows.view(tokens, cfg.top_k, -1).sum(1).to(x.dtype), want, atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="sum_k"):
+        fused_moe(x, ids, tw, w, "torch", sum_k=False)
+
+
 def test_default_config_picks_gemv_for_few_tokens():
     cfg = preset("k2.6", tp=8)
     small = default_config(1, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden)

@@ -125,6 +125,22 @@ def test_rope_epilogue_matches_rope_after_linear(dtype, m, heads, tile):
     torch.testing.assert_close(got.float(), want.view(m, -1), **tol)
 
 
+@pytest.mark.parametrize("m,k_rows", [(1, 8), (3, 2)])
+def test_add_rows_sums_k_rows_per_output_row(m, k_rows):
+    """add_rows: fp32 add `[M * k, N]` (a token's k expert rows) summed into the epilogue,
+    N > K as the shared expert's down GEMM."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 32, generator=g).to(DEV, torch.float16)
+    w = (torch.randn(72, 32, generator=g) * 0.2).to(DEV, torch.float16)
+    rows = torch.randn(m * k_rows, 72, generator=g).to(DEV)
+    want = x.float() @ w.float().t() + rows.view(m, k_rows, 72).sum(1)
+    got = skinny_linear(x, w, add=rows, add_rows=k_rows)
+    assert got.shape == (m, 72) and got.dtype == x.dtype
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2e-3)
+    with pytest.raises(ValueError, match="add"):
+        skinny_linear(x, w, add=rows[:-1], add_rows=k_rows)
+
+
 @pytest.mark.parametrize("m", [1, 3])
 def test_glu_epilogue_matches_silu_mul(m):
     from kernels.fused_ops import silu_mul_ref
@@ -208,3 +224,14 @@ def test_rope_bf16_k26_wq_b(m):
     want = (x.float() @ w.float().t()).view(1, m, 8, 192)
     rope_ref_(want, ang.cos().view(1, m, -1), ang.sin().view(1, m, -1), 128)
     assert _rel(skinny_linear(x, w, rope=(ang.cos(), ang.sin(), 192, 128)), want.view(m, -1)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_add_rows_bf16_k26_shared_w2(m):
+    """The shared expert's down GEMM (7168 <- 256) with the 8 routed expert rows (fp32) summed in."""
+    x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(7168, 256, device="cuda", dtype=torch.bfloat16) * 256 ** -0.5
+    rows = torch.randn(m * 8, 7168, device="cuda")
+    want = x.float() @ w.float().t() + rows.view(m, 8, -1).sum(1)
+    assert _rel(skinny_linear(x, w, add=rows, add_rows=8), want) < 1e-2

@@ -52,12 +52,14 @@ for r in rows:
           f"{r['skinny_pct_copy']:7.1f} {r['cublas_pct_copy']:7.1f} {r['rel_err']:>8}")
 
 # fused (one launch) vs unfused (the launches the engine ran before):
-# name -> (N out, K, norm, glu, normed x + gemv order, q rope)
+# name -> (N out, K, norm, glu, normed x + gemv order, q rope); shared_w2+sum_k: the 8 fp32 routed
+# expert rows summed in the epilogue vs a sum over k (torch, standing in for moe_gemv's _sum_k) + addmm_
 FUSED = {"attn_norm+wqkv_a": (2112, 7168, True, False, False, False),
          "ffn_norm+router(+xn,xp)": (384, 7168, True, False, True, False),
          "shared_w13+silu": (256, 7168, False, True, False, False),
          "ffn_norm+dense_w13+silu": (2304, 7168, True, True, False, False),
-         "wq_b+rope": (1536, 1536, False, False, False, True)}
+         "wq_b+rope": (1536, 1536, False, False, False, True),
+         "shared_w2+sum_k": (7168, 256, False, False, False, False)}
 fused_rows = []
 for (name, (n, K, norm, glu, side, rope)), m in itertools.product(FUSED.items(), (1, 4)):
     ws = [torch.randn(n * (2 if glu else 1), K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(20)]
@@ -66,7 +68,11 @@ for (name, (n, K, norm, glu, side, rope)), m in itertools.product(FUSED.items(),
     ang = torch.randn(1, m, 32, device=dev)
     cos, sin = ang.cos(), ang.sin()
 
+    rows = torch.randn(8 * m, n, device=dev)
+
     def fused(w):
+        if name == "shared_w2+sum_k":
+            return skinny_linear(x, w, add=rows, add_rows=8)
         if norm:
             return norm_linear(x, nw, 1e-5, w, r, glu=glu, out_xn=side, out_xp=side)[0]
         if rope:
@@ -74,6 +80,8 @@ for (name, (n, K, norm, glu, side, rope)), m in itertools.product(FUSED.items(),
         return skinny_linear(x, w, glu=True)
 
     def unfused(w):
+        if name == "shared_w2+sum_k":
+            return rows.view(m, 8, n).sum(1).to(x.dtype).addmm_(x, w.t())
         xn = fused_ops.rms_norm(x, nw, 1e-5, residual=r)[0] if norm else x
         y = skinny_linear(xn, w)
         if side:
