@@ -48,8 +48,8 @@ class Ops:
         return fused_ops.route(linear(x, gate), bias, top_k, scaling)
 
     def fuses(self, x, w) -> bool:
-        """Whether a norm before, or SiLU(gate) * up after, x W^T rides in the skinny GEMM:
-        Triton ops and `skinny.fits` (CUDA, few rows; skinny.MAX_ROWS = 0 turns it off)."""
+        """Whether a norm before x W^T, or SiLU(gate) * up or rope after it, rides in the skinny
+        GEMM: Triton ops and `skinny.fits` (CUDA, few rows; skinny.MAX_ROWS = 0 turns it off)."""
         return self.kind == "triton" and skinny.fits(x, w)
 
     def norm_linear(self, norm, x, residual, w, glu=False):

@@ -9,8 +9,10 @@ fp32 and reduces over BK once, after the loop. Other shapes go to `F.linear`.
 Fused into the same kernel for the decode step (each saves a launch of a few microseconds):
 an RMSNorm (+ residual add) prologue (`norm_linear`: the row's 1/rms is a per-row factor,
 summed over the same x tiles and applied after the loop; the programs also write the new
-residual, the normed row and its `moe_gemv` order, each a slice of the row) and a
-SiLU(gate) * up epilogue for [gate | up] weights (`glu`).
+residual, the normed row and its `moe_gemv` order, each a slice of the row), and
+epilogues: SiLU(gate) * up for [gate | up] weights (`glu`), interleaved rope on each head's
+rope columns (`rope`, MLA's q), and an add of the sum of several rows per output row
+(`add_rows`, the routed experts' k rows of a token added in the shared expert's down GEMM).
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def _skinny_kernel(
     GLU: tl.constexpr,                    # y = SiLU(x W[n]^T) * x W[N + n]^T (W = [gate | up] rows)
     ROPE: tl.constexpr, HEAD: tl.constexpr, ROPE_OFF: tl.constexpr,
 ):
-    """Program (column block, batch): y[b, :, n] = x[b] W[b, n]^T (+ add) for BN columns.
+    """Program (column block, batch): y[b, :, n] = x[b] W[b, n]^T (+ add) for BN columns, then
+    the epilogues in the order GLU, ROPE, add.
 
     With NORM the row's 1/rms is a per-row factor, so it is summed alongside the product
     (sum of h^2 over the same x tiles) and applied after the loop: no extra pass over x."""
@@ -135,8 +138,9 @@ def tiles(m: int, n: int, k: int, n_sms: int = 132, glu: bool = False) -> tuple[
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `linear(x, w)` takes the Triton path: where it beat cuBLAS on the H200
     (scripts/gpu/skinny_bench.py, docs/BENCHMARKS.md), i.e. CUDA, 1..MAX_ROWS rows (MAX_ROWS = 0
-    turns it off), N <= K (long rows of W), bf16/fp16. The engine fuses norms and SiLU into
-    the GEMM only where this holds."""
+    turns it off), N <= K (long rows of W), bf16/fp16. The engine fuses its norms and
+    epilogues into a GEMM only where this holds for that GEMM (or, for the shared expert's
+    down GEMM, where it held for the router)."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     return (x.is_cuda and 0 < rows <= MAX_ROWS and w.shape[0] <= w.shape[1]
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype)
@@ -203,10 +207,8 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tens
     n = w.shape[0] // (2 if glu else 1)
     if out_xp and k % 32:
         raise ValueError(f"norm_linear: the GEMV-order copy needs K % 32 == 0, got K = {k}")
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, k).contiguous()
     rows = x2.shape[0]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     r2 = None if residual is None else residual.reshape(-1, k).contiguous()
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     h = torch.empty_like(x2) if r2 is not None else None
