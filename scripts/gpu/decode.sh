@@ -54,5 +54,5 @@ for f in sorted(glob.glob("results/h200/decode/decode_*.csv")):
 PY
 
 timeout 150 python3 scripts/gpu/decode_profile.py "$dir" 1 2>&1 | log || echo "FAILED decode profile"
-timeout 60 python3 scripts/gpu/skinny_bench.py "$dir" 2>&1 | log || echo "FAILED skinny bench"
+timeout 90 python3 scripts/gpu/skinny_bench.py "$dir" 2>&1 | log || echo "FAILED skinny bench"
 [ -n "$OUT" ] && mkdir -p "$OUT/decode" && cp -r "$dir"/. "$OUT/decode/"   # again: profile + bench CSVs
