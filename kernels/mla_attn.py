@@ -262,10 +262,10 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     SM). The kernel reads `prefix_len` on the device and cuts the live KV of all streams
     into chunks of one size (at least `min_chunk` positions, default 64) so that they fill
     at most those items; streams of different lengths get different numbers of chunks,
-    surplus items exit at once, and a second kernel merges each stream's chunks.
+    surplus items exit at once, and a second kernel merges each stream's chunks (`pdl=True`
+    launches it with programmatic dependent launch: measured no faster on the H200;
+    `merge_tile` = (latent columns, chunks per load, warps) of its programs).
     `num_splits` = n sets P = n x B instead (n = 1: one program per stream, no merge).
-    `pdl=True` launches the merge with programmatic dependent launch (Hopper; its launch
-    overlaps the split kernel's tail; not yet timed on a GPU, so off by default).
     L and R must be powers of two (512 and 64 on K2.6). The keyword knobs override the
     heuristics (tuned on the H200: `docs/notes/tree.md`).
     """
@@ -321,12 +321,11 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
         PREC=prec, PDL=pdl and not direct, num_warps=num_warps, num_stages=num_stages)
     if not direct:
-        # [BLOCK_S, BM, BD] fp32 partials per load: 8192 values = 64 registers a thread at 4 warps
+        # [BLOCK_S, BM, BD] fp32 partials per load, 8192 values; decode (<= 16 rows): 2 warps
+        # (1.0 us less than 4 at 10 x 8k on the H200: less of the sum over chunks crosses warps)
         bm, bd = min(16, triton.next_power_of_2(rows)), min(32, dl)
         bs = max(2, min(32, 8192 // (bm * bd)))
-        merge_warps = 4
-        if merge_tile is not None:
-            bd, bs, merge_warps = merge_tile
+        bd, bs, merge_warps = merge_tile or (bd, bs, 2 if small else 4)
         _mla_combine_kernel[(triton.cdiv(rows, bm), dl // bd, b)](
             o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
             b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk,
