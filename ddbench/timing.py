@@ -85,7 +85,11 @@ def bench(fn, *, device=None, warmup: int = 3, reps: int = 20, flush: bool = Tru
     return summarize([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)])
 
 
-def _bench_graph(fn, device, warmup, reps, graph_ops) -> Stats:
+def _bench_graph(fn, device, warmup, reps, graph_ops, warm_s: float = 0.2) -> Stats:
+    """Replays of a graph of `graph_ops` calls, back to back (no host sync between them, as
+    a serving loop runs), after `warm_s` seconds of untimed replays: a GPU that has been idle
+    runs its first ~0.1 s slower (10 x 8k decode attention: 38.5 us in the first replays,
+    36.3 us after), so short benchmarks otherwise time the clock ramp, not the kernel."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -98,15 +102,20 @@ def _bench_graph(fn, device, warmup, reps, graph_ops) -> Stats:
             fn()
     g.replay()
     torch.cuda.synchronize(device)
-    samples = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize(device)
+    one = max(time.perf_counter() - t0, 1e-6)
+    for _ in range(min(int(warm_s / one), 5000)):
+        g.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
         s.record()
         g.replay()
         e.record()
-        e.synchronize()
-        samples.append(s.elapsed_time(e) * 1e3 / graph_ops)
-    return summarize(samples, cuda_graph=True)
+    torch.cuda.synchronize(device)
+    return summarize([s.elapsed_time(e) * 1e3 / graph_ops for s, e in zip(starts, ends)], cuda_graph=True)
 
 
 def copy_bandwidth_gbps(device, nbytes: int = 2 * 2**30) -> float:
