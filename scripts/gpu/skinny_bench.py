@@ -26,25 +26,37 @@ dev = torch.device("cuda")
 copy = copy_bandwidth_gbps(dev)
 SHAPES = {"wqkv_a": (2112, 7168), "wq_b": (1536, 1536), "wo": (7168, 1024), "shared_w13": (512, 7168),
           "shared_w2": (7168, 256), "router": (384, 7168), "dense_w13": (4608, 7168), "dense_w2": (7168, 2304)}
+
+
+def time_each(fns: dict, ws: list) -> dict:
+    """label -> median us of fn(w) per call, a CUDA graph of 20 calls over the 20 weights in `ws`."""
+    res = {}
+    for label, fn in fns.items():
+        it = itertools.cycle(range(len(ws)))
+        res[label] = bench(lambda: fn(ws[next(it)]), device=dev, graph=True, graph_ops=20, reps=10).median_us
+    return res
+
+
+def write_csv(name: str, table: list) -> None:
+    with open(out / name, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(table[0]))
+        w.writeheader()
+        w.writerows(table)
+
+
 rows = []
 for (name, (n, k)), m in itertools.product(SHAPES.items(), (1, 2, 4)):
     ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(20)]
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     want = F.linear(x, ws[0])
     err = ((skinny_linear(x, ws[0]).float() - want.float()).norm() / want.float().norm()).item()
-    res = {}
-    for label, fn in (("skinny", skinny_linear), ("cublas", F.linear)):
-        it = itertools.cycle(range(20))
-        res[label] = bench(lambda: fn(x, ws[next(it)]), device=dev, graph=True, graph_ops=20, reps=10).median_us
+    res = time_each({"skinny": lambda w: skinny_linear(x, w), "cublas": lambda w: F.linear(x, w)}, ws)
     gb = n * k * 2 / 1e3
     rows.append(dict(gemm=name, m=m, n=n, k=k, tile="x".join(map(str, tiles(m, n, k))), skinny_us=round(res["skinny"], 2),
                      cublas_us=round(res["cublas"], 2), skinny_pct_copy=round(100 * gb / res["skinny"] / copy, 1),
                      cublas_pct_copy=round(100 * gb / res["cublas"] / copy, 1), rel_err=f"{err:.1e}"))
     del ws
-with open(out / "skinny_bench.csv", "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
+write_csv("skinny_bench.csv", rows)
 print(f"copy {copy:.0f} GB/s")
 print(f"{'gemm':11s} {'m':>2} {'n':>5} {'k':>5} {'tile':>10} {'skinny_us':>9} {'cublas_us':>9} {'sk%copy':>7} {'cu%copy':>7} {'err':>8}")
 for r in rows:
@@ -91,18 +103,12 @@ for (name, (n, K, norm, glu, side, rope)), m in itertools.product(FUSED.items(),
         return fused_ops.silu_mul(y) if glu else y
 
     err = ((fused(ws[0]).float() - unfused(ws[0]).float()).norm() / unfused(ws[0]).float().norm()).item()
-    res = {}
-    for label, fn in (("fused", fused), ("unfused", unfused)):
-        it = itertools.cycle(range(20))
-        res[label] = bench(lambda: fn(ws[next(it)]), device=dev, graph=True, graph_ops=20, reps=10).median_us
+    res = time_each({"fused": fused, "unfused": unfused}, ws)
     fused_rows.append(dict(gemm=name, m=m, n=n * (2 if glu else 1), k=K, fused_us=round(res["fused"], 2),
                            unfused_us=round(res["unfused"], 2), saved_us=round(res["unfused"] - res["fused"], 2),
                            rel_diff=f"{err:.1e}"))
     del ws
-with open(out / "skinny_fused_bench.csv", "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(fused_rows[0]))
-    w.writeheader()
-    w.writerows(fused_rows)
+write_csv("skinny_fused_bench.csv", fused_rows)
 print(f"\n{'fused gemm':26s} {'m':>2} {'n':>5} {'fused_us':>9} {'unfused_us':>10} {'saved_us':>8} {'diff':>8}")
 for r in fused_rows:
     print(f"{r['gemm']:26s} {r['m']:2d} {r['n']:5d} {r['fused_us']:9.2f} {r['unfused_us']:10.2f} {r['saved_us']:8.2f} "
