@@ -12,8 +12,9 @@
 #      a GPU before; its GPU test is test_gpu_pdl_merge_equals_reference) and builder warps.
 #   4. summary of the targets: builder budget 512 x 10 streams; attention 8 heads x 10 streams
 #      x 8k at >= 60% of copy bandwidth (T = 1); accept + commit < 20 us for 10 streams.
-# Expected runtime: about 3.5 minutes (tests ~70 s incl. Triton compiles, sweep ~80 s, tune ~50 s);
-# each step has its own timeout (80 + 100 + 55 s), so at most 4 minutes.
+# Expected runtime: about 4 minutes (tests ~70 s incl. Triton compiles, sweep ~80 s + 0.2 s of warm-up
+# replays per CUDA-graph row since 4d887ef, tune ~50 s);
+# each step has its own timeout (80 + 130 + 55 s), so at most 4.5 minutes.
 # Writes results/h200/tree_bench_h200_<stamp>.{csv,json}, tree_tune_h200_<stamp>.{csv,json} and a
 # log; copies them to $OUT/tree/ if $OUT is set. Run from the repo root: bash scripts/gpu/tree.sh
 cd "$(dirname "$0")/../.." || exit 1
@@ -31,7 +32,7 @@ timeout 80 $PY -m pytest -q -m gpu tests/test_ddtree.py tests/test_mla_attn.py -
   | tail -25 | tee -a "$LOG" || echo "FAILED step: gpu tests" | tee -a "$LOG"
 
 echo "== 2. tree-bench sweep ==" | tee -a "$LOG"
-timeout 100 $PY -m ddbench tree-bench --budgets 16,64,256,512,1024 --reps 10 --out "$RES" --name "$NAME" 2>&1 \
+timeout 130 $PY -m ddbench tree-bench --budgets 16,64,256,512,1024 --reps 10 --out "$RES" --name "$NAME" 2>&1 \
   | tail -45 | tee -a "$LOG" || echo "FAILED step: tree-bench sweep" | tee -a "$LOG"
 
 echo "== 3. tree-bench --tune ==" | tee -a "$LOG"
