@@ -13,12 +13,16 @@ number of kernels; these kernels replace chains of 5-25 elementwise torch ops:
   renormalised and scaled.
 
 All wrappers take fp32/bf16/fp16 and compute in fp32. Every `*_ref` is the meaning.
+On Hopper the kernels of the decode chain (norm, mla_a_post, route) launch with PDL and
+wait for their predecessor first thing (`kernels.pdl`).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels import pdl
 
 
 def _pow2(n: int) -> int:
@@ -32,8 +36,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, h_ptr,   # rows of x [N, D]; res/h only if HAS_RES
     stride_x, stride_res, stride_y, stride_h,
     D, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < D
@@ -68,8 +73,10 @@ def rms_norm(x, w, eps, residual=None):
     else:
         r2 = h = y
     block = _pow2(d)
+    on = pdl.on(x2)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, w, y, h, x2.stride(0), r2.stride(0), y.stride(0), h.stride(0),
-                                     d, eps, HAS_RES=has_res, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                                     d, eps, HAS_RES=has_res, BLOCK=block, PDL=on,
+                                     num_warps=8 if block >= 4096 else 4, **pdl.launch_kw(on))
     y = y.view(x.shape)
     return (y, h.view(x.shape)) if has_res else y
 
@@ -83,8 +90,9 @@ def _mla_a_post_kernel(
     stride_qkv, stride_cs, stride_q,
     stride_cb, stride_cs_pos, stride_pb, stride_ps_pos,
     T, Q, L, R, eps,
-    BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0)
     src = qkv_ptr + row * stride_qkv
     # q latent: RMSNorm -> q
@@ -150,12 +158,13 @@ def mla_a_post(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps):
     cos2, sin2 = cos.reshape(b * t, -1).float().contiguous(), sin.reshape(b * t, -1).float().contiguous()
     assert qkv2.stride(-1) == 1 and ckv.stride(-1) == 1 and kpe.stride(-1) == 1
     q = torch.empty(b * t, q_dim, dtype=qkv.dtype, device=qkv.device)
+    on = pdl.on(qkv2)
     _mla_a_post_kernel[(b * t,)](qkv2, q_w, kv_w, cos2, sin2, q, ckv, kpe, prefix_len,
                                  qkv2.stride(0), cos2.stride(0), q.stride(0),
                                  ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1),
                                  t, q_dim, lat, r, eps,
-                                 BLOCK_Q=_pow2(q_dim), BLOCK_L=_pow2(lat), BLOCK_H=_pow2(r // 2),
-                                 num_warps=8 if q_dim >= 1024 else 4)
+                                 BLOCK_Q=_pow2(q_dim), BLOCK_L=_pow2(lat), BLOCK_H=_pow2(r // 2), PDL=on,
+                                 num_warps=8 if q_dim >= 1024 else 4, **pdl.launch_kw(on))
     return q.view(b, t, q_dim)
 
 
@@ -235,11 +244,12 @@ def silu_mul(x):
 def _route_kernel(
     logits_ptr, bias_ptr, ids_ptr, w_ptr,   # logits [N, E], bias [E] -> ids int32 [N, K], w fp32 [N, K]
     stride_l, E, scaling,
-    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per token. Top-k by k rounds of one max over int64 keys that order by
     (score + bias, then lower expert index): the fp32 bits made order-preserving as int32,
     shifted up, with BLOCK_E - 1 - index below. The weights are gathered after the loop."""
+    pdl.enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
@@ -277,6 +287,7 @@ def route(logits, bias, top_k, scaling):
     lg = logits.contiguous()
     ids = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)
     w = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
+    on = pdl.on(lg)
     _route_kernel[(n,)](lg, bias, ids, w, lg.stride(0), e, float(scaling),
-                        K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), num_warps=1)
+                        K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), PDL=on, num_warps=1, **pdl.launch_kw(on))
     return ids, w

@@ -41,6 +41,8 @@ def mla_attention_ref(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tens
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernels import pdl  # noqa: E402
+
 LOG2E = 1.4426950408889634
 
 
@@ -123,10 +125,8 @@ def _mla_split_kernel(
     unnormalized acc + (max, sum) of work item w for `_mla_combine_kernel`. Work item w
     belongs to the stream whose chunks (numbered stream after stream, `_work_split`) hold
     it; items past the last chunk do nothing. DIRECT: work item = stream, whole live KV,
-    normalized output. PDL: let the combine kernel (launched with programmatic dependent
-    launch) get resident now; it waits for this grid before reading the partials."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    normalized output. PDL: launched as a dependent of the previous kernel (kernels.pdl)."""
+    pdl.enter(PDL)
     mb, w = tl.program_id(0), tl.program_id(1)
     if DIRECT:
         b = w
@@ -207,8 +207,7 @@ def _mla_combine_kernel(
     sb = tl.arange(0, BB)
     w0 = tl.sum(tl.where(sb == b, first, 0), axis=0).to(tl.int64)
     n_split = tl.sum(tl.where(sb == b, n_chunks, 0), axis=0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()                       # the split kernel's partials are written
+    pdl.enter(PDL)                                     # the split kernel's partials are written
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rok = rows < R
     t = rows // H
@@ -246,7 +245,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
                   prefix_len: torch.Tensor, visible: torch.Tensor, scale: float, *,
                   block_m: int | None = None, block_n: int | None = None, num_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  waves: float | None = None, min_chunk: int | None = None, pdl: bool = False,
+                  waves: float | None = None, min_chunk: int | None = None, use_pdl: bool | None = None,
                   merge_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Triton MLA attention with `mla_attention_ref`'s signature and semantics.
 
@@ -262,9 +261,9 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     SM). The kernel reads `prefix_len` on the device and cuts the live KV of all streams
     into chunks of one size (at least `min_chunk` positions, default 64) so that they fill
     at most those items; streams of different lengths get different numbers of chunks,
-    surplus items exit at once, and a second kernel merges each stream's chunks (`pdl=True`
-    launches it with programmatic dependent launch: measured no faster on the H200;
-    `merge_tile` = (latent columns, chunks per load, warps) of its programs).
+    surplus items exit at once, and a second kernel merges each stream's chunks
+    (`merge_tile` = (latent columns, chunks per load, warps) of its programs). Both launch
+    with programmatic dependent launch where `kernels.pdl.on` (`use_pdl` overrides).
     `num_splits` = n sets P = n x B instead (n = 1: one program per stream, no merge).
     L and R must be powers of two (512 and 64 on K2.6). The keyword knobs override the
     heuristics (tuned on the H200: `docs/notes/tree.md`).
@@ -308,6 +307,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         m_part = torch.empty(n_prog, rows, dtype=torch.float32, device=dev)
         l_part = torch.empty(n_prog, rows, dtype=torch.float32, device=dev)
     prec = "ieee" if q_lat.dtype == torch.float32 else "tf32"
+    on = pdl.on(q_lat) if use_pdl is None else use_pdl
     plen = prefix_len if prefix_len.device == dev else prefix_len.to(dev)
     bb = triton.next_power_of_2(b)
     _mla_split_kernel[(n_mb, n_prog)](
@@ -319,7 +319,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         out, out.stride(0), out.stride(1), out.stride(2),
         b, t, h, rows, n_work, scale * LOG2E,
         DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
-        PREC=prec, PDL=pdl and not direct, num_warps=num_warps, num_stages=num_stages)
+        PREC=prec, PDL=on, num_warps=num_warps, num_stages=num_stages, **pdl.launch_kw(on))
     if not direct:
         # [BLOCK_S, BM, BD] fp32 partials per load, 8192 values; decode (<= 16 rows): 2 warps
         # (1.0 us less than 4 at 10 x 8k on the H200: less of the sum over chunks crosses warps)
@@ -329,5 +329,5 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         _mla_combine_kernel[(triton.cdiv(rows, bm), dl // bd, b)](
             o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
             b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk,
-            BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, PDL=pdl, num_warps=merge_warps, **({"launch_pdl": True} if pdl else {}))
+            BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, PDL=on, num_warps=merge_warps, **pdl.launch_kw(on))
     return out

@@ -143,9 +143,10 @@ def test_gpu_graph_replay_follows_prefix_len():
 
 
 @pytest.mark.gpu
-def test_gpu_pdl_merge_equals_reference():
-    """Optional knob pdl=True (merge launched with programmatic dependent launch), eager and
-    captured in a CUDA graph, equals the reference."""
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_gpu_pdl_on_and_off_equal_reference(use_pdl):
+    """Split and merge launched with and without programmatic dependent launch, eager and
+    captured in a CUDA graph, equal the reference."""
     gen = torch.Generator().manual_seed(8)
     b, t, h = 10, 1, 8
     plens = torch.randint(1, 8192, (b,), generator=gen).tolist()
@@ -153,11 +154,11 @@ def test_gpu_pdl_merge_equals_reference():
     vis = torch.ones(b, t, t, dtype=torch.bool, device="cuda")
     scale = 192 ** -0.5
     ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, scale)
-    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale, pdl=True)
+    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale, use_pdl=use_pdl)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale, pdl=True)
+        out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale, use_pdl=use_pdl)
     out.zero_()
     g.replay()
     torch.cuda.synchronize()

@@ -21,7 +21,7 @@ out.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
 copy = copy_bandwidth_gbps(dev)
 S, H, L, R = 32768, 8, 512, 64
-# min_chunk:launch, e.g. "64:pdl" (merge launched with programmatic dependent launch)
+# min_chunk:launch, e.g. "64:pdl" (both launches with programmatic dependent launch)
 VARIANTS = (sys.argv[2] if len(sys.argv) > 2 else "32:plain,64:plain,128:plain").split(",")
 rows = []
 for b, prefix in ((1, 160), (1, 8192), (10, 1024), (10, 8192)):
@@ -36,9 +36,9 @@ for b, prefix in ((1, 160), (1, 8192), (10, 1024), (10, 8192)):
     ckv, kpe = cache()
     ref = mla_attention_ref(q, qr, ckv[:, :prefix + 1], kpe[:, :prefix + 1], plen, vis, 0.07).float()
     for mc, pdl in [(int(m), p == "pdl") for m, p in (v.split(":") for v in VARIANTS)]:
-        err = ((mla_attention(q, qr, ckv, kpe, plen, vis, 0.07, min_chunk=mc, pdl=pdl).float() - ref).norm()
+        err = ((mla_attention(q, qr, ckv, kpe, plen, vis, 0.07, min_chunk=mc, use_pdl=pdl).float() - ref).norm()
                / ref.norm()).item()
-        st = attn_bench(lambda c, k: mla_attention(q, qr, c, k, plen, vis, 0.07, min_chunk=mc, pdl=pdl), cache,
+        st = attn_bench(lambda c, k: mla_attention(q, qr, c, k, plen, vis, 0.07, min_chunk=mc, use_pdl=pdl), cache,
                         device=dev, reps=10, use_graph=True, copies=3)
         rows.append(dict(streams=b, prefix=prefix, min_chunk=mc, pdl=pdl, time_us=round(st.median_us, 2),
                          pct_copy=round(100 * kv_bytes / st.median_us / 1e3 / copy, 1), rel_err=f"{err:.1e}"))

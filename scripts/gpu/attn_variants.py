@@ -84,7 +84,7 @@ def case(name, b, p, h, t, variants):
 
 V = lambda name, **kw: (name, NEW, kw)
 main = [("old", OLD, {}), V("new"), V("new merge 4 warps", merge_tile=(32, 32, 4)),
-        V("new merge 16 cols 1 warp", merge_tile=(16, 32, 1)), V("new pdl", pdl=True)]
+        V("new merge 16 cols 1 warp", merge_tile=(16, 32, 1)), V("new, no pdl", use_pdl=False)]
 case("B10 p8k H8 T1", 10, 8192, 8, 1, main + [(n + " again", f, kw) for n, f, kw in main[:2]])
 quick = [("old", OLD, {}), V("new")]
 for args in [(1, 160, 8, 1), (1, 8192, 8, 1), (10, 1024, 8, 1), (10, 32768, 8, 1), (32, 8192, 8, 1), (10, 8192, 64, 1), (10, 8192, 8, 17)]:

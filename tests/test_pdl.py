@@ -1,0 +1,73 @@
+"""kernels.pdl: the decode chain launched with programmatic dependent launch gives the same
+bits as launched without it (a kernel that read its input before its predecessor finished
+would not), eagerly and replayed in a CUDA graph, at K2.6 TP-8 shapes."""
+import pytest
+import torch
+
+from engine.config import preset
+from kernels import fused_ops, pdl, skinny
+from kernels.moe import fused_moe, random_marlin_moe
+
+
+def test_pdl_is_off_for_cpu_tensors_and_wide_gemms_stay_on_torch():
+    x = torch.randn(1, 64)
+    assert not pdl.on(x)
+    assert pdl.launch_kw(False) == {} and pdl.launch_kw(True) == {"launch_pdl": True}
+    assert not skinny.fits(x, torch.randn(256, 64))
+
+
+def _chain(x, res, p, cfg):
+    """One MoE layer's few-row chain: norm + wide GEMM, norm + router, route, the CUDA-core
+    MoE (w13, SiLU*up permute, w2 with the k rows unsummed), shared expert with the k-sum."""
+    qkv, h, _, _ = skinny.norm_linear(x, p["n1"], 1e-6, p["wa"], res)               # [1, 2112]
+    a = skinny.skinny_linear(qkv[:, :1024], p["wo"])                                 # N > K: [1, H]
+    logits, h, xf, xp = skinny.norm_linear(a, p["n2"], 1e-6, p["gate"], h, out_xn=True, out_xp=True)
+    ids, w = fused_ops.route(logits, p["bias"], cfg.top_k, 2.5)
+    rows = fused_moe(xf, ids, w, p["moe"], "triton", x_perm=xp, sum_k=False)        # [k, H] fp32
+    act = skinny.skinny_linear(xf, p["w13"], glu=True)
+    return skinny.skinny_linear(act, p["w2"], add=rows, add_rows=cfg.top_k), h
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_chain_equals_plain_launches(monkeypatch):
+    if not pdl.on(torch.empty(1, device="cuda")):
+        pytest.skip("needs sm_90+")
+    cfg = preset("k2.6", tp=8)
+    hid, dev, bf = cfg.hidden, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(3)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(bf)
+    p = dict(n1=rnd(hid), n2=rnd(hid), wa=rnd(2112, hid, scale=hid ** -0.5), wo=rnd(hid, 1024, scale=1024 ** -0.5),
+             gate=rnd(64, hid, scale=hid ** -0.5), bias=torch.randn(64, generator=g, device=dev) * 0.1,
+             w13=rnd(512, hid, scale=hid ** -0.5), w2=rnd(hid, 256, scale=256 ** -0.5),
+             moe=random_marlin_moe(64, hid, cfg.moe_inter_local, cfg.group_size, cfg.top_k, device=dev, seed=4))
+    x, res = rnd(1, hid), rnd(1, hid)
+
+    def layers(x, res, n=6):
+        for _ in range(n):
+            x, res = _chain(x, res, p, cfg)
+        return x, res
+
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    want = layers(x, res)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    for prefetch in (True, False):
+        monkeypatch.setattr(pdl, "PREFETCH", prefetch)
+        got = layers(x, res)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    monkeypatch.setattr(pdl, "PREFETCH", True)
+    graph = torch.cuda.CUDAGraph()
+    xs, rs = x.clone(), res.clone()
+    with torch.cuda.graph(graph):
+        out = layers(xs, rs)
+    for i in range(5):   # new inputs each replay
+        xi, ri = rnd(1, hid), rnd(1, hid)
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        want = layers(xi, ri)
+        monkeypatch.setattr(pdl, "ENABLED", True)
+        xs.copy_(xi)
+        rs.copy_(ri)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), f"replay {i}"
