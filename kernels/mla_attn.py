@@ -307,7 +307,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         m_part = torch.empty(n_prog, rows, dtype=torch.float32, device=dev)
         l_part = torch.empty(n_prog, rows, dtype=torch.float32, device=dev)
     prec = "ieee" if q_lat.dtype == torch.float32 else "tf32"
-    on = pdl.on(q_lat) if use_pdl is None else use_pdl
+    on = pdl.on(q_lat) if use_pdl is None else 2 * bool(use_pdl)
     plen = prefix_len if prefix_len.device == dev else prefix_len.to(dev)
     bb = triton.next_power_of_2(b)
     _mla_split_kernel[(n_mb, n_prog)](

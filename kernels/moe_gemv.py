@@ -123,19 +123,16 @@ def _gemv_kernel(
     stride_a, stride_we, stride_wk, stride_se, stride_sg, stride_os, stride_oa,
     A_DIV, GROUP, STEPS_PER_SPLIT, K_STEPS,
     BM: tl.constexpr, BN: tl.constexpr, PER_CHANNEL: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr, PF: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row block, column tile, K split). Row block = one assignment when BM == 1
     (expert from topk_ids), else BM sorted assignments of one expert; assignment a reads
     activation row a // A_DIV (A_DIV = k for x, 1 for the per-assignment act).
-    PDL (kernels.pdl): launched as a dependent; PF: ask L2 for all of this program's words
-    before the loop; EARLY (BM == 1, topk_ids not written by the previous kernel, as for
-    w2): that prefetch happens before waiting for the previous kernel."""
-    if not EARLY:
-        pdl.enter(PDL)
+    PDL: launched as a dependent of the previous kernel (kernels.pdl)."""
+    pdl.enter(PDL)
     if BM == 1:
         a = tl.program_id(0)
-        e = tl.load(ids_ptr + a, cache_modifier=".cg")                    # maybe before the wait (EARLY)
+        e = tl.load(ids_ptr + a)
         assign = a + tl.zeros([1], tl.int32)
         valid = assign >= 0
     else:
@@ -153,27 +150,11 @@ def _gemv_kernel(
     acc_lo = tl.zeros([BM, 8, BN // 2], tl.float32)
     acc_hi = tl.zeros([BM, 8, BN // 2], tl.float32)
     k_first = pid_k * STEPS_PER_SPLIT
-    k_end = tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT)
-    if PF:
-        _prefetch_words(w_e, k_first, k_end, stride_wk, pid_n * BN, BN)
-    if EARLY:
-        pdl.enter(PDL)
-    for ks in tl.range(k_first, k_end, num_stages=NUM_STAGES):
+    for ks in tl.range(k_first, tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT), num_stages=NUM_STAGES):
         acc_lo, acc_hi = _step(acc_lo, acc_hi, a_ptrs, valid[:, None], w_e, s_e, ks, wrow, wcol, sc_pair,
                                n_lo, stride_wk, stride_sg, GROUP, PER_CHANNEL)
     out = out_ptr + pid_k.to(tl.int64) * stride_os + assign.to(tl.int64)[:, None] * stride_oa
     _store_cols(out, acc_lo, acc_hi, n_lo, valid)
-
-
-@triton.jit
-def _prefetch_words(w_e, k_first, k_end, stride_wk, n0, BN: tl.constexpr):
-    """L2 prefetch of the words steps k_first ..< k_end of a BN-column tile read: per step
-    two word rows (k-tiles), each 2*BN contiguous words from (n0 // 64) * 128 (`_tile`)."""
-    LINES: tl.constexpr = BN // 16                                   # 128-byte lines per word row
-    j = tl.arange(0, 2 * LINES)
-    offs = (j // LINES) * stride_wk + (n0 // 64) * 128 + (j % LINES) * 32
-    for ks in range(k_first, k_end):
-        pdl.prefetch_l2(w_e + (2 * ks) * stride_wk + offs)
 
 
 @triton.jit
@@ -255,11 +236,9 @@ def permute_rows(src: torch.Tensor, topk_weights: torch.Tensor | None = None, sp
 
 
 def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids: torch.Tensor, routing,
-         n_assign: int, a_div: int, cfg, bn: int, split: int, early_ids: bool = False) -> torch.Tensor:
+         n_assign: int, a_div: int, cfg, bn: int, split: int) -> torch.Tensor:
     """One INT4 GEMM on the CUDA cores: permuted activations `a` -> fp32 `[split, n_assign, N]`
-    (rows of each assignment, one slice per K split; `routing` None = one block per assignment).
-    early_ids: the previous kernel does not write ids, so with PDL the words are prefetched
-    before the wait (kernels.pdl rule 2)."""
+    (rows of each assignment, one slice per K split; `routing` None = one block per assignment)."""
     k, n = w.shape[1] * 16, w.shape[2] // 2
     k_steps = k // STEP
     per_split = triton.cdiv(k_steps, split)
@@ -268,13 +247,12 @@ def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids
     blocks = n_assign if routing is None else routing[1].numel()
     route = (ids,) * 4 if routing is None else routing
     on = pdl.on(a)
-    pf = on and pdl.PREFETCH
     _gemv_kernel[(blocks, n // bn, split)](
         a, w, scales, ids, *route, out,
         a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
         a_div, group, per_split, k_steps,
         BM=cfg.block_m, BN=bn, PER_CHANNEL=k == group, num_warps=cfg.num_warps, NUM_STAGES=cfg.num_stages,
-        PDL=on, PF=pf, EARLY=pf and early_ids and routing is None, **pdl.launch_kw(on))
+        PDL=on, **pdl.launch_kw(on))
     return out
 
 
@@ -304,8 +282,7 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     h = w.hidden
     ids = topk_ids.reshape(-1).to(torch.int32)
     act = permute_rows(mid, topk_weights.reshape(-1).float().contiguous(), mid.shape[0])   # [T*k, 2I]
-    y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1,
-             early_ids=True)                                                     # [1, T*k, H]
+    y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
     if not sum_k:
         return y[0]
     out = torch.empty(t, h, dtype=dtype, device=mid.device)

@@ -44,22 +44,15 @@ def _skinny_kernel(
     WB: tl.constexpr,                     # K columns of the norm outputs per program
     GLU: tl.constexpr,                    # y = SiLU(x W[n]^T) * x W[N + n]^T (W = [gate | up] rows)
     ROPE: tl.constexpr, HEAD: tl.constexpr, ROPE_OFF: tl.constexpr,
-    PDL: tl.constexpr, PF: tl.constexpr, LINE: tl.constexpr, CHUNK: tl.constexpr,   # kernels.pdl
+    PDL: tl.constexpr,                    # launched as a dependent of the previous kernel (kernels.pdl)
 ):
     """Program (column block, batch): y[b, :, n] = x[b] W[b, n]^T (+ add) for BN columns, then
     the epilogues in the order GLU, ROPE, add.
 
     With NORM the row's 1/rms is a per-row factor, so it is summed alongside the product
-    (sum of h^2 over the same x tiles) and applied after the loop: no extra pass over x.
-    PDL: launched as a dependent of the previous kernel; PF: first ask L2 for this program's
-    weight rows, which do not depend on it (kernels.pdl)."""
+    (sum of h^2 over the same x tiles) and applied after the loop: no extra pass over x."""
     b = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
-    if PF:
-        w_pf = w_ptr + b * stride_wb + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn   # [BN, 1]
-        pdl.prefetch_rows(w_pf, K, stride_wk, LINE, CHUNK)
-        if GLU:
-            pdl.prefetch_rows(w_pf + N * stride_wn, K, stride_wk, LINE, CHUNK)
     pdl.enter(PDL)
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
@@ -149,8 +142,8 @@ def tiles(m: int, n: int, k: int, n_sms: int = 132, glu: bool = False) -> tuple[
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `linear(x, w)` takes the Triton path: where it beat cuBLAS on the H200
     (scripts/gpu/skinny_bench.py, docs/BENCHMARKS.md), i.e. CUDA, 1..MAX_ROWS rows (MAX_ROWS = 0
-    turns it off), bf16/fp16, and N <= K (long rows of W) or, with PDL (the kernel's weight
-    prefetch overlaps the previous kernel), W of at most WIDE_MAX_BYTES. The engine fuses its
+    turns it off), bf16/fp16, and N <= K (long rows of W) or, with PDL (the kernel's
+    launch overlaps the previous kernel), W of at most WIDE_MAX_BYTES. The engine fuses its
     norms and epilogues into a GEMM only where this holds for that GEMM (or, for the shared
     expert's down GEMM, where it held for the router)."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
@@ -291,6 +284,5 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
         NORM=norm is not None, HAS_RES=res is not None, OUT_H=h is not None, OUT_XN=xn is not None,
         OUT_XP=xp is not None, WB=wb, GLU=glu,
         ROPE=rope is not None, HEAD=rope[2] if rope else 1, ROPE_OFF=rope[3] if rope else 0,
-        PDL=on, PF=on and pdl.PREFETCH, LINE=max(1, 128 // w.element_size()), CHUNK=max(1, 256 // bn),
-        num_warps=num_warps, **pdl.launch_kw(on))
+        PDL=on, num_warps=num_warps, **pdl.launch_kw(on))
     return out

@@ -11,8 +11,8 @@ from kernels.moe import fused_moe, random_marlin_moe
 
 def test_pdl_is_off_for_cpu_tensors_and_wide_gemms_stay_on_torch():
     x = torch.randn(1, 64)
-    assert not pdl.on(x)
-    assert pdl.launch_kw(False) == {} and pdl.launch_kw(True) == {"launch_pdl": True}
+    assert pdl.on(x) == 0
+    assert pdl.launch_kw(0) == {} and pdl.launch_kw(2) == {"launch_pdl": True}
     assert not skinny.fits(x, torch.randn(256, 64))
 
 
@@ -52,11 +52,11 @@ def test_gpu_pdl_chain_equals_plain_launches(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", False)
     want = layers(x, res)
     monkeypatch.setattr(pdl, "ENABLED", True)
-    for prefetch in (True, False):
-        monkeypatch.setattr(pdl, "PREFETCH", prefetch)
+    for trigger in (True, False):
+        monkeypatch.setattr(pdl, "TRIGGER", trigger)
         got = layers(x, res)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    monkeypatch.setattr(pdl, "PREFETCH", True)
+    monkeypatch.setattr(pdl, "TRIGGER", True)
     graph = torch.cuda.CUDAGraph()
     xs, rs = x.clone(), res.clone()
     with torch.cuda.graph(graph):
