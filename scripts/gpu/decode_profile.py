@@ -5,6 +5,8 @@ shard with random weights (LAYERS blocks, default all 61), prefills 128 tokens, 
 profiles 3 eager decode steps with torch.profiler: per kernel name, GPU time per step and
 launches per step, largest first, and the sum of kernel time against the eager and
 CUDA-graph step times (the difference is launch gaps). Writes OUT_DIR/decode_profile_c<C>.csv.
+The profiled steps run without programmatic dependent launch (kernels.pdl), so that a kernel's
+time is its own and not its wait for the previous one; the graph step time is with the default.
 About 60-90 s on an H200 (init, Triton compiles, profile).
 """
 import csv
@@ -20,6 +22,7 @@ from ddbench.timing import bench  # noqa: E402
 from engine.config import preset  # noqa: E402
 from engine.decode import Decoder  # noqa: E402
 from engine.parallel import SimComm  # noqa: E402
+from kernels import pdl  # noqa: E402
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 conc = int(sys.argv[2]) if len(sys.argv) > 2 else 1
@@ -36,10 +39,12 @@ for _ in range(3):
 torch.cuda.synchronize()
 eager = bench(dec.advance, device=dev, reps=10, warmup=2, flush=False)
 steps = 3
+pdl_default, pdl.ENABLED = pdl.ENABLED, False
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
     for _ in range(steps):
         dec.advance()
     torch.cuda.synchronize()
+pdl.ENABLED = pdl_default
 per = defaultdict(lambda: [0.0, 0])
 for ev in prof.events():
     if ev.device_type == torch.autograd.DeviceType.CUDA:

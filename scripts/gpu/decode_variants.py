@@ -1,17 +1,16 @@
-"""The CUDA-graph decode step under launch variants (H200, K2.6 TP-8 rank-0 shard).
+"""The CUDA-graph decode step with each launch-saving option switched off in turn (H200,
+K2.6 TP-8 rank-0 shard), so each option's gain is measured in the step it is for.
 
 python3 scripts/gpu/decode_variants.py [OUT_DIR] [CONCURRENCY,...]: builds the rank-0 shard
 with random weights once, prefills 128 tokens, then for each variant re-captures the step
-graph from the same state and times 40 back-to-back replays (after 20 untimed ones):
-  plain          no programmatic dependent launch (kernels.pdl.ENABLED = False)
-  pdl            PDL, no weight prefetch before the wait
-  pdl+prefetch   PDL with the L2 prefetch of each GEMM's weights (the default)
-  pdl, no wide   as the default, but N > K GEMMs (wo) on cuBLAS (skinny.WIDE_MAX_BYTES = 0)
-Checks that variants running the same kernels generate the same tokens (plain and
-`pdl, no wide` run wo on cuBLAS, the other two on the skinny kernel). Writes
-OUT_DIR/decode_variants.csv. About 2 minutes (init, compiles).
+graph from the same state and times 40 back-to-back replays (after 20 untimed ones). A
+variant sets module attributes (`VARIANTS`); `default` changes none, `all off` all of them.
+`same_tokens`: the variant's 20 greedy tokens equal default's (options that change the
+rounding order may flip a token of the random-weight model; informational). Writes
+OUT_DIR/decode_variants.csv. About 2-3 minutes (init, compiles).
 """
 import csv
+import importlib
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +22,21 @@ from ddbench.decode import build_model  # noqa: E402
 from engine.config import preset  # noqa: E402
 from engine.decode import Decoder  # noqa: E402
 from engine.parallel import SimComm  # noqa: E402
-from kernels import pdl, skinny  # noqa: E402
+
+OPTIONS = {  # option -> (module, attribute, value that switches it off)
+    "pdl": ("kernels.pdl", "ENABLED", False),
+    "pdl trigger": ("kernels.pdl", "TRIGGER", False),
+    "wide skinny": ("kernels.skinny", "WIDE_MAX_BYTES", 0),
+    "direct attention": ("kernels.mla_attn", "DIRECT_MAX_LEN", 0),
+    "fused route": ("kernels.skinny", "FUSE_ROUTE", False),
+    "fused a_post": ("kernels.skinny", "FUSE_A_POST", False),
+    "fused moe act": ("kernels.moe_gemv", "FUSE_ACT", False),
+    "shared expert stream": ("engine.model", "SIDE_STREAM", False),
+}
+present = {k: v for k, v in OPTIONS.items() if hasattr(importlib.import_module(v[0]), v[1])}
+for k in OPTIONS.keys() - present.keys():
+    print(f"note: option {k!r} ({OPTIONS[k][0]}.{OPTIONS[k][1]}) not in this tree, skipped")
+VARIANTS = {"default": [], **{f"no {k}": [k] for k in present}, "all off": list(present)}
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 concs = [int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "1,10").split(",")]
@@ -31,21 +44,29 @@ out.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
 cfg = preset("k2.6", tp=8, rank=0)
 model, _ = build_model(cfg, SimComm(8, 0, lambda n: 0.0), None, "triton", "triton", 0, dev, "auto")
-WIDE = skinny.WIDE_MAX_BYTES
-VARIANTS = {"plain": dict(ENABLED=False, PREFETCH=True, WIDE=WIDE), "pdl": dict(ENABLED=True, PREFETCH=False, WIDE=WIDE),
-            "pdl+prefetch": dict(ENABLED=True, PREFETCH=True, WIDE=WIDE),
-            "pdl, no wide": dict(ENABLED=True, PREFETCH=True, WIDE=0)}
+defaults = {k: getattr(importlib.import_module(m), a) for k, (m, a, _) in present.items()}
+
+
+def apply(off: list[str]) -> None:
+    for k, (m, a, v) in present.items():
+        setattr(importlib.import_module(m), a, v if k in off else defaults[k])
+
+
 rows = []
 for conc in concs:
     dec = Decoder(model, conc, 256)
     dec.prefill(torch.randint(0, cfg.vocab, (conc, 128), device=dev))
     start = dec._save()
-    ref_tokens = {}   # wo on the skinny kernel? -> tokens of the first such variant
-    for name, v in VARIANTS.items():
-        pdl.ENABLED, pdl.PREFETCH, skinny.WIDE_MAX_BYTES = v["ENABLED"], v["PREFETCH"], v["WIDE"]
+    ref = None
+    for name, off in VARIANTS.items():
+        apply(off)
         dec._restore(start)
         dec.graph = None
-        dec.capture()
+        try:
+            dec.capture()
+        except Exception as e:  # noqa: BLE001 - report the variant and go on
+            print(f"FAILED variant {name!r} at c={conc}: {type(e).__name__}: {e}", flush=True)
+            continue
         toks = []
         for _ in range(20):
             dec.advance()
@@ -58,19 +79,20 @@ for conc in concs:
         torch.cuda.synchronize()
         us = [s.elapsed_time(e) * 1e3 for s, e in evs]
         toks = torch.stack(toks).cpu()
-        ref = ref_tokens.setdefault(v["ENABLED"] and v["WIDE"] > 0, toks)
+        ref = toks if ref is None else ref
         rows.append(dict(concurrency=conc, variant=name, step_us=round(statistics.median(us), 1),
                          step_us_min=round(min(us), 1), step_us_max=round(max(us), 1),
                          same_tokens=bool(torch.equal(toks, ref))))
         print(rows[-1], flush=True)
+    dec.graph = None
     del dec
     torch.cuda.empty_cache()
-pdl.ENABLED, pdl.PREFETCH, skinny.WIDE_MAX_BYTES = True, True, WIDE
+apply([])
 with open(out / "decode_variants.csv", "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))
     w.writeheader()
     w.writerows(rows)
-print(f"\n{'c':>3} {'variant':<14} {'step us':>9} {'min':>8} {'max':>8} same tokens")
+print(f"\n{'c':>3} {'variant':<26} {'step us':>9} {'min':>8} {'max':>8} same tokens")
 for r in rows:
-    print(f"{r['concurrency']:>3} {r['variant']:<14} {r['step_us']:>9.1f} {r['step_us_min']:>8.1f} "
+    print(f"{r['concurrency']:>3} {r['variant']:<26} {r['step_us']:>9.1f} {r['step_us_min']:>8.1f} "
           f"{r['step_us_max']:>8.1f} {r['same_tokens']}")
