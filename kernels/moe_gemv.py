@@ -19,9 +19,10 @@ then every load in the loop is 4-byte and contiguous, which Triton pipelines wit
 
 Launches (`fused_moe_gemv`): permute x; w13 (one program per row block, column tile and K
 split; fp32 partial sums per split); SiLU(gate) * up * top-k weight, permuted; w2 (one row
-per assignment); sum over k and cast. `block_m == 1`: a row block is one assignment, no sorting;
-`block_m > 1`: assignments sorted by expert (`moe_triton.align_tokens`), so an expert's words
-are read once for its rows.
+per assignment); sum over k and cast. `block_m == 1`: a row block is one assignment, no sorting,
+and (FUSE_ACT) the SiLU launch is folded into w13: the last of an assignment's programs to
+finish (kernels.ticket) computes that assignment's act row. `block_m > 1`: assignments sorted
+by expert (`moe_triton.align_tokens`), so an expert's words are read once for its rows.
 """
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, ticket
 from kernels.moe_triton import _block_rows, _scale_col, align_tokens
 
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
+FUSE_ACT = True  # block_m 1: SiLU(gate) * up * weight in w13's last program per assignment (read at each call)
+ACT_BLOCK = 512  # act columns per step of that program's loop over I
 
 
 @triton.jit
@@ -120,15 +123,18 @@ def _gemv_kernel(
     a_ptr, w_ptr, s_ptr,                  # fp32 activations permuted [rows, K] (`permute_rows`); int32 words [E, K/16, 2N]; scales [E, K/g, N]
     ids_ptr, sorted_ptr, block_expert_ptr, expert_start_ptr, counts_ptr,   # routing
     out_ptr,                              # [S, T*k, N]: one row per assignment and K split
-    stride_a, stride_we, stride_wk, stride_se, stride_sg, stride_os, stride_oa,
+    act_ptr, topk_w_ptr, count_ptr,       # ACT: act fp32 [T*k, N] (GEMV order, K = N/2); weights fp32 [T*k]; tickets [T*k]
+    stride_a, stride_we, stride_wk, stride_se, stride_sg, stride_os, stride_oa, stride_act,
     A_DIV, GROUP, STEPS_PER_SPLIT, K_STEPS,
     BM: tl.constexpr, BN: tl.constexpr, PER_CHANNEL: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
+    ACT: tl.constexpr, ACT_BLOCK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row block, column tile, K split). Row block = one assignment when BM == 1
     (expert from topk_ids), else BM sorted assignments of one expert; assignment a reads
     activation row a // A_DIV (A_DIV = k for x, 1 for the per-assignment act).
-    PDL: launched as a dependent of the previous kernel (kernels.pdl)."""
+    ACT (w13, BM == 1): the last of assignment a's programs (column tiles x K splits) to store
+    its partials then writes a's act row, as `_permute_kernel` GATED would (SP: splits, next
+    power of two). PDL: launched as a dependent of the previous kernel (kernels.pdl)."""
     pdl.enter(PDL)
     if BM == 1:
         a = tl.program_id(0)
@@ -155,6 +161,13 @@ def _gemv_kernel(
                                n_lo, stride_wk, stride_sg, GROUP, PER_CHANNEL)
     out = out_ptr + pid_k.to(tl.int64) * stride_os + assign.to(tl.int64)[:, None] * stride_oa
     _store_cols(out, acc_lo, acc_hi, n_lo, valid)
+    if ACT:
+        a = tl.program_id(0)
+        if ticket.last_to_arrive(count_ptr + a, tl.num_programs(1) * tl.num_programs(2)):
+            half = tl.num_programs(1) * (BN // 2)                     # I
+            for k0 in range(0, half, ACT_BLOCK):
+                _act_cols(out_ptr + a.to(tl.int64) * stride_oa, stride_os, act_ptr + a.to(tl.int64) * stride_act,
+                          topk_w_ptr + a, k0 + tl.arange(0, ACT_BLOCK), half, tl.num_programs(2), SP)
 
 
 @triton.jit
@@ -173,17 +186,29 @@ def _permute_kernel(
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = k < K
     if GATED:
-        sp = tl.arange(0, SP)
-        p = src_ptr + sp[:, None] * stride_ss + row * stride_sr + k[None, :]
-        m = (sp < SPLITS)[:, None] & ok[None, :]
-        g = tl.sum(tl.load(p, mask=m, other=0.0), 0)
-        u = tl.sum(tl.load(p + K, mask=m, other=0.0), 0)
-        x = g / (1.0 + tl.exp(-g)) * u * tl.load(topk_w_ptr + row)
+        _act_cols(src_ptr + row * stride_sr, stride_ss, dst_ptr + row * stride_d, topk_w_ptr + row, k, K, SPLITS, SP)
     else:
+        ok = k < K
         x = tl.load(src_ptr + row * stride_sr + k, mask=ok).to(tl.float32)
-    store_permuted(dst_ptr + row * stride_d, k, x, ok)
+        store_permuted(dst_ptr + row * stride_d, k, x, ok)
+
+
+@triton.jit
+def _act_cols(part, stride_ss, dst_row, weight_ptr, k, K, SPLITS, SP: tl.constexpr):
+    """Act values of K rows k (those < K) of one assignment: SiLU(gate) * up * its top-k weight,
+    gate and up summed over w13's SPLITS fp32 partial rows `part` + s * stride_ss (columns k
+    and K + k), split by split in order (the same bits wherever it runs), stored in GEMV order
+    at dst_row. `.cg` loads (past L1): the partials may be other programs' (kernels.ticket)."""
+    ok = k < K
+    g = tl.load(part + k, mask=ok, other=0.0, cache_modifier=".cg")
+    u = tl.load(part + K + k, mask=ok, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SP):
+        m = k < tl.where(s < SPLITS, K, 0)                 # (ok & (s < SPLITS) upsets the interpreter)
+        g += tl.load(part + s * stride_ss + k, mask=m, other=0.0, cache_modifier=".cg")
+        u += tl.load(part + s * stride_ss + K + k, mask=m, other=0.0, cache_modifier=".cg")
+    x = g / (1.0 + tl.exp(-g)) * u * tl.load(weight_ptr).to(tl.float32)
+    store_permuted(dst_row, k, x, ok)
 
 
 @triton.jit
@@ -236,9 +261,11 @@ def permute_rows(src: torch.Tensor, topk_weights: torch.Tensor | None = None, sp
 
 
 def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids: torch.Tensor, routing,
-         n_assign: int, a_div: int, cfg, bn: int, split: int) -> torch.Tensor:
+         n_assign: int, a_div: int, cfg, bn: int, split: int, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
     """One INT4 GEMM on the CUDA cores: permuted activations `a` -> fp32 `[split, n_assign, N]`
-    (rows of each assignment, one slice per K split; `routing` None = one block per assignment)."""
+    (rows of each assignment, one slice per K split; `routing` None = one block per assignment).
+    topk_weights fp32 `[n_assign]` (w13, routing None): SiLU(gate) * up * weight fused in ->
+    the act fp32 `[n_assign, N]` instead (`permute_rows(out, topk_weights, split)`)."""
     k, n = w.shape[1] * 16, w.shape[2] // 2
     k_steps = k // STEP
     per_split = triton.cdiv(k_steps, split)
@@ -246,14 +273,22 @@ def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids
     out = torch.empty(split, n_assign, n, dtype=torch.float32, device=a.device)
     blocks = n_assign if routing is None else routing[1].numel()
     route = (ids,) * 4 if routing is None else routing
+    fuse = topk_weights is not None
+    if fuse:
+        act = torch.empty(n_assign, n, dtype=torch.float32, device=a.device)   # [T*k, 2I]: GEMV order, K = I
+        tw, count = topk_weights, ticket.counters(a.device, "moe_act", n_assign)
+        act_block, sp = min(ACT_BLOCK, triton.next_power_of_2(n // 2)), triton.next_power_of_2(split)
+    else:
+        act = tw = count = out
+        act_block, sp = 1, 1
     on = pdl.on(a)
     _gemv_kernel[(blocks, n // bn, split)](
-        a, w, scales, ids, *route, out,
+        a, w, scales, ids, *route, out, act, tw, count,
         a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
-        a_div, group, per_split, k_steps,
+        act.stride(0), a_div, group, per_split, k_steps,
         BM=cfg.block_m, BN=bn, PER_CHANNEL=k == group, num_warps=cfg.num_warps, NUM_STAGES=cfg.num_stages,
-        PDL=on, **pdl.launch_kw(on))
-    return out
+        ACT=fuse, ACT_BLOCK=act_block, SP=sp, PDL=on, **pdl.launch_kw(on))
+    return act if fuse else out
 
 
 def gemv_routing(topk_ids: torch.Tensor, w, cfg):
@@ -261,27 +296,35 @@ def gemv_routing(topk_ids: torch.Tensor, w, cfg):
     return None if cfg.block_m == 1 else align_tokens(topk_ids, w.n_experts, cfg.block_m)
 
 
+def _flat_weights(topk_weights: torch.Tensor) -> torch.Tensor:
+    return topk_weights.reshape(-1).float().contiguous()   # [T*k]
+
+
 def gemv_w13(x: torch.Tensor, topk_ids: torch.Tensor, routing, w, cfg, n_sms: int = 132,
-             x_perm: torch.Tensor | None = None) -> torch.Tensor:
+             x_perm: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Permute x (unless x_perm = `permute_rows(x)` is given), then w13: -> fp32 gate|up
-    partial sums `[S, T*k, 2I]` (S K splits)."""
+    partial sums `[S, T*k, 2I]` (S K splits). With topk_weights, where the act can be fused
+    (FUSE_ACT, routing None, T*k <= ticket.MAX_COUNTERS): w2's input SiLU(gate)*up*weight
+    in GEMV order, fp32 `[T*k, 2I]`, from the same launch. `gemv_w2` takes either."""
     t, k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32)
     blocks = t * k if routing is None else routing[1].numel()
     split = cfg.split_k or gemv_splits(blocks, 2 * w.inter // cfg.block_n13, w.hidden // STEP, n_sms)
     a = permute_rows(x) if x_perm is None else x_perm
+    fuse = topk_weights is not None and FUSE_ACT and routing is None and t * k <= ticket.MAX_COUNTERS
     return gemv(a, w.w13, w.w13_scale, w.group_size, ids, routing, t * k, k, cfg,
-                cfg.block_n13, split)
+                cfg.block_n13, split, _flat_weights(topk_weights) if fuse else None)
 
 
 def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, routing, w, cfg,
             dtype: torch.dtype, sum_k: bool = True) -> torch.Tensor:
-    """SiLU(gate)*up*weight permuted, w2, sum over k: `gemv_w13`'s output -> `[T, H]` in dtype;
+    """SiLU(gate)*up*weight permuted (unless `gemv_w13` fused it: mid is then the act
+    `[T*k, 2I]`, else its partials `[S, T*k, 2I]`), w2, sum over k -> `[T, H]` in dtype;
     without sum_k the weighted rows fp32 `[T*k, H]` (row t*k + j: slot j of token t)."""
     t, k = topk_ids.shape
     h = w.hidden
     ids = topk_ids.reshape(-1).to(torch.int32)
-    act = permute_rows(mid, topk_weights.reshape(-1).float().contiguous(), mid.shape[0])   # [T*k, 2I]
+    act = mid if mid.dim() == 2 else permute_rows(mid, _flat_weights(topk_weights), mid.shape[0])   # [T*k, 2I]
     y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
     if not sum_k:
         return y[0]
@@ -299,9 +342,10 @@ def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     x_perm: `permute_rows(x)` if the caller already has it (kernels.skinny.norm_linear writes it).
     sum_k False: the k weighted rows per token, fp32 `[T*k, H]`, for the caller to sum.
 
-    cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting), block_n13,
-    block_n2 (multiples of 64), split_k (0: `gemv_splits`), num_warps, num_stages.
+    cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting, act fused into w13
+    when FUSE_ACT), block_n13, block_n2 (multiples of 64), split_k (0: `gemv_splits`),
+    num_warps, num_stages.
     """
     routing = gemv_routing(topk_ids, w, cfg)
-    mid = gemv_w13(x, topk_ids, routing, w, cfg, n_sms, x_perm)
+    mid = gemv_w13(x, topk_ids, routing, w, cfg, n_sms, x_perm, topk_weights)
     return gemv_w2(mid, topk_ids, topk_weights, routing, w, cfg, x.dtype, sum_k=sum_k)

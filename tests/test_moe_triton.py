@@ -4,7 +4,7 @@ import torch
 
 from engine.config import preset
 from kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing
-from kernels.moe_triton import MoeTritonConfig, align_tokens, check_inputs, default_config, fused_moe_triton
+from kernels.moe_triton import MoeTritonConfig, align_tokens, check_inputs, default_config, fused_moe_triton, sm_count
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -105,6 +105,41 @@ def test_fused_moe_gemv_options_x_perm_and_rows(seed):
     torch.testing.assert_close(rows.view(tokens, cfg.top_k, -1).sum(1).to(x.dtype), want, atol=2e-3, rtol=2e-3)
     with pytest.raises(ValueError, match="sum_k"):
         fused_moe(x, ids, tw, w, "torch", sum_k=False)
+
+
+def _counters_zero(x: torch.Tensor) -> bool:
+    """Whether the "moe_act" ticket counters of x's device are all zero."""
+    from kernels import ticket
+    return not ticket.counters(x.device, "moe_act", ticket.MAX_COUNTERS).any()
+
+
+@pytest.mark.parametrize("tp,tokens,bn13,split,act_block,dtype,seed", [
+    (8, 1, 64, 0, 512, torch.float16, 0),    # decode: one column tile, one split
+    (8, 3, 64, 2, 512, torch.float32, 1),    # 2 splits
+    (1, 1, 128, 3, 64, torch.float16, 2),    # 4 column tiles x 3 splits (ragged) per assignment; I = 256 in 4 steps
+])
+def test_gemv_fused_act_equals_unfused(monkeypatch, tp, tokens, bn13, split, act_block, dtype, seed):
+    """block_m 1 with FUSE_ACT: w13's last program per assignment writes exactly the act
+    `permute_rows(partials, weights, S)` writes, so the MoE output is bit-identical to the
+    unfused launches; both match the reference; the ticket counters are zero again after."""
+    from kernels import moe_gemv as mg
+
+    monkeypatch.setattr(mg, "ACT_BLOCK", act_block)
+    cfg, w = tiny_weights(tp, seed=30 + seed)
+    x = torch.randn(tokens, cfg.hidden, device=DEV).to(dtype)
+    ids, tw = synthetic_routing("skewed", tokens, cfg.n_experts, cfg.top_k, device=DEV, seed=seed)
+    mcfg = MoeTritonConfig(gemv=True, block_m=1, block_n13=bn13, block_n2=64, split_k=split)
+    monkeypatch.setattr(mg, "FUSE_ACT", True)
+    act = mg.gemv_w13(x, ids, None, w, mcfg, topk_weights=tw)
+    fused = mg.fused_moe_gemv(x, ids, tw, w, mcfg)
+    assert _counters_zero(x)
+    monkeypatch.setattr(mg, "FUSE_ACT", False)
+    part = mg.gemv_w13(x, ids, None, w, mcfg, topk_weights=tw)
+    assert part.dim() == 3 and act.shape == (tokens * cfg.top_k, 2 * cfg.moe_inter_local)
+    assert torch.equal(act, mg.permute_rows(part, tw.reshape(-1).float(), part.shape[0]))
+    unfused = mg.fused_moe_gemv(x, ids, tw, w, mcfg)
+    assert torch.equal(fused, unfused)
+    assert rel_err(fused, fused_moe_ref(x.float(), ids, tw, w)) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
 def test_default_config_picks_gemv_for_few_tokens():
@@ -212,3 +247,45 @@ def test_triton_cuda_graph_capture():
     g.replay()
     torch.cuda.synchronize()
     assert torch.allclose(out.float(), torch.flip(want, [0]).float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gemv_fused_act_bf16_k26_graph(monkeypatch):
+    """K2.6 TP-8 shapes, bf16, block_m 1 (T = 1, 16): w13 with the act fused gives the bits of
+    the unfused launches, eagerly and in a CUDA graph replayed 3 times on new inputs; the
+    ticket counters are zero after each."""
+    from kernels import moe_gemv as mg
+    from kernels.moe_triton import default_config
+
+    cfg = preset("k2.6", tp=8)
+    w = random_marlin_moe(32, cfg.hidden, cfg.moe_inter_local, cfg.group_size, cfg.top_k, device="cuda")
+    for tokens in (1, 16):
+        mcfg = MoeTritonConfig(gemv=True, block_m=1, block_n13=256, block_n2=256, split_k=0)
+        x = torch.randn(tokens, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+        ids, tw = synthetic_routing("uniform", tokens, 32, cfg.top_k, device="cuda", seed=tokens)
+
+        def run(fuse):
+            monkeypatch.setattr(mg, "FUSE_ACT", fuse)
+            return mg.fused_moe_gemv(x, ids, tw, w, mcfg, sm_count(x.device))
+
+        want = run(False)
+        assert rel_err(want, fused_moe_ref(x.float(), ids, tw, w)) < 1e-2
+        assert torch.equal(run(True), want) and _counters_zero(x)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            run(True)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = run(True)
+        for rep in range(3):
+            x.copy_(torch.randn_like(x))
+            new_ids, new_tw = synthetic_routing("uniform", tokens, 32, cfg.top_k, device="cuda", seed=100 + rep)
+            ids.copy_(new_ids)
+            tw.copy_(new_tw)
+            g.replay()
+            torch.cuda.synchronize()
+            assert _counters_zero(x)
+            assert torch.equal(out, run(False)), (tokens, rep)
+    assert default_config(1, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden).block_m == 1
