@@ -48,8 +48,9 @@ class Ops:
         return fused_ops.route(linear(x, gate), bias, top_k, scaling)
 
     def fuses(self, x, w) -> bool:
-        """Whether a norm before x W^T, or SiLU(gate) * up or rope after it, rides in the skinny
-        GEMM: Triton ops and `skinny.fits` (CUDA, few rows; skinny.MAX_ROWS = 0 turns it off)."""
+        """Whether a norm before x W^T, or SiLU(gate) * up, rope or a side job (the router's
+        top-k, MLA's kv side) after it, rides in the skinny GEMM: Triton ops and `skinny.fits`
+        (CUDA, few rows; skinny.MAX_ROWS = 0 turns it off)."""
         return self.kind == "triton" and skinny.fits(x, w)
 
     def norm_linear(self, norm, x, residual, w, glu=False):
@@ -118,7 +119,7 @@ class MLA(nn.Module):
         self.cfg, self.layer, self.ops = cfg, layer, ops
         h, nh = cfg.hidden, cfg.n_heads
         self.wqkv_a = Linear(h, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_dim, device, dtype)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops, device, dtype)   # weights used by mla_a_post
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops, device, dtype)   # weights used by mla_a_post / mla_wq_b
         self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, nh * cfg.qk_head_dim, comm, device, dtype)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, ops, device, dtype)
         self.wkv_b = ColumnParallelLinear(cfg.kv_lora_rank, nh * (cfg.qk_nope_dim + cfg.v_head_dim), comm,
@@ -131,11 +132,16 @@ class MLA(nn.Module):
         cfg = self.cfg
         b, t, _ = qkv.shape
         nh, dn, dr, dv, lat = cfg.n_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        # one kernel: q_norm(q latent) -> q_a; kv_norm(kv latent) and rope(k_pe) straight
-        # into the cache at prefix_len[b] + j
-        q_a = self.ops.mla_a_post(qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin,
-                                  cache.ckv[self.layer], cache.kpe[self.layer], prefix_len, cfg.norm_eps)
-        q = self.ops.rope_linear(q_a, self.wq_b.weight, cos, sin, dn + dr, dn)  # wq_b, rope on the rope dims
+        ckv, kpe = cache.ckv[self.layer], cache.kpe[self.layer]
+        a_post = (qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin, ckv, kpe, prefix_len, cfg.norm_eps)
+        if skinny.FUSE_A_POST and self.ops.fuses(qkv[..., :cfg.q_lora_rank], self.wq_b.weight):
+            # one launch: q_norm(q latent) as wq_b's prologue, q's rope as its epilogue; its
+            # program 0 writes kv_norm(kv latent) and rope(k_pe) into the cache at prefix_len[b] + j
+            q = skinny.mla_wq_b(*a_post, self.wq_b.weight, dn + dr, dn)
+        else:
+            # one kernel: q_norm(q latent) -> q_a; kv_norm(kv latent) and rope(k_pe) straight
+            # into the cache at prefix_len[b] + j; then wq_b with rope on the rope dims
+            q = self.ops.rope_linear(self.ops.mla_a_post(*a_post), self.wq_b.weight, cos, sin, dn + dr, dn)
         q = q.view(b, t, nh, dn + dr)                                           # [B, T, nh, Dn+Dr]
         q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
         wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]
@@ -202,8 +208,9 @@ class MoE(nn.Module):
 
     def forward(self, a, res, norm: RMSNorm):
         """-> (moe(norm(res + a)), res + a). Where the ops fuse it, the norm rides in the
-        router's gate GEMM, which also writes the normed x and, for the CUDA-core expert
-        path, x in that path's activation order (saves its permute launch)."""
+        router's gate GEMM, which also writes the normed x, for the CUDA-core expert path x in
+        that path's activation order (saves its permute launch) and, with skinny.FUSE_ROUTE,
+        routes the tokens in its last program (saves the route launch)."""
         b, t, h = a.shape
         cfg, experts = self.cfg, self.experts()
         af, res = a.reshape(b * t, h), res.reshape(b * t, h)                  # [N, H]
@@ -211,9 +218,11 @@ class MoE(nn.Module):
         if self.ops.fuses(af, self.gate):
             with phase("moe"):
                 want_xp = self.backend == "triton" and uses_gemv(b * t, cfg.top_k, experts, af.device)
-                logits, res, xf, xp = skinny.norm_linear(af, norm.weight, norm.eps, self.gate, res, out_xn=True,
-                                                         out_xp=want_xp)      # [N, E]
-                ids, w = fused_ops.route(logits, self.bias, cfg.top_k, cfg.routed_scaling)   # [N, k]
+                route = (self.bias, cfg.top_k, cfg.routed_scaling)
+                logits, res, xf, xp, *topk = skinny.norm_linear(af, norm.weight, norm.eps, self.gate, res,
+                                                                out_xn=True, out_xp=want_xp,
+                                                                route=route if skinny.FUSE_ROUTE else None)  # [N, E]
+                ids, w = topk or fused_ops.route(logits, *route)                  # [N, k] each
         else:
             with phase("mlp"):
                 xf, res = norm(af, residual=res)                              # res += a; xf = norm(res)
