@@ -26,6 +26,8 @@ from kernels import fused_ops, skinny
 from kernels.moe import MarlinMoE, fused_moe, route, uses_gemv
 from kernels.skinny import heads_linear, linear
 
+SIDE_STREAM = True   # CUDA: the shared expert's gate/up GEMM runs on a second stream (MoE.forward)
+
 
 class Ops:
     """The small fused ops of the step: Triton kernels (GPU) or their torch references."""
@@ -39,6 +41,16 @@ class Ops:
         self.mla_a_post = fused_ops.mla_a_post if tri else fused_ops.mla_a_post_ref
         self.rope_ = fused_ops.rope_ if tri else fused_ops.rope_ref_
         self.silu_mul = fused_ops.silu_mul if tri else fused_ops.silu_mul_ref
+        self._side: dict[torch.device, torch.cuda.Stream] = {}
+
+    def side_stream(self, x: torch.Tensor):
+        """A second CUDA stream on x's device for work beside the main chain (one per device,
+        kept), or None off CUDA or with SIDE_STREAM off."""
+        if not (SIDE_STREAM and x.is_cuda):
+            return None
+        if x.device not in self._side:
+            self._side[x.device] = torch.cuda.Stream(x.device)
+        return self._side[x.device]
 
     def route(self, x, gate, bias, top_k, scaling):
         """Router: the reference is kernels.moe.route (fp32 gate GEMM); the Triton path runs the
@@ -168,7 +180,11 @@ class MLP(nn.Module):
         """`add` (same shape as the output, overwritten) is summed into the down GEMM (addmm_, one
         kernel); with add_rows > 1 add has that many rows per row of x, summed into the skinny
         down GEMM's epilogue (the routed experts' k rows of each token)."""
-        return self.down(self.ops.glu_linear(x, self.w13.weight), reduce, add, add_rows)   # [.., 2I/tp] -> [.., I/tp]
+        return self.down(self.gate_up(x), reduce, add, add_rows)
+
+    def gate_up(self, x):
+        """SiLU(x w1^T) * (x w3^T): `[.., H]` -> `[.., I/tp]` (one GEMM over w13)."""
+        return self.ops.glu_linear(x, self.w13.weight)
 
     def forward_normed(self, a, h, norm: RMSNorm):
         """The dense block's FFN: -> (mlp(norm(h + a)), h + a); the norm rides in w13's GEMM."""
@@ -231,10 +247,22 @@ class MoE(nn.Module):
         # with xp (CUDA-core expert path, skinny path) the k expert rows of each token are
         # summed in the shared expert's down GEMM, not by the MoE's own last launch
         k_rows = cfg.top_k if xp is not None else 1
+        # the shared expert's gate/up GEMM does not depend on the routed experts: on CUDA it
+        # runs on a side stream beside them (its time then overlaps the "moe" phase)
+        side = self.ops.side_stream(xf)
+        if side is not None:
+            main = torch.cuda.current_stream(xf.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                act = self.shared.gate_up(xf)                                 # [N, I/tp]
         with phase("moe"):
             y = fused_moe(xf, ids, w, experts, self.backend, x_perm=xp, sum_k=k_rows == 1)  # [N * k_rows, H]
         with phase("mlp"):
-            y = self.shared(xf, reduce=False, add=y, add_rows=k_rows)         # routed + shared [N, H]
+            if side is None:
+                act = self.shared.gate_up(xf)
+            else:
+                main.wait_stream(side)
+            y = self.shared.down(act, reduce=False, add=y, add_rows=k_rows)   # routed + shared [N, H]
         return self.comm.all_reduce(y).view(b, t, h), res.view(b, t, h)       # [B, T, H] each
 
 

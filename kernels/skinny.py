@@ -38,7 +38,6 @@ from kernels.moe_gemv import store_permuted
 from kernels.moe_triton import sm_count
 
 MAX_ROWS = 4
-WIDE_MAX_BYTES = 48 << 20   # with PDL, N > K weights up to this size (they fit in L2) take the kernel too
 FUSE_ROUTE = os.environ.get("DDBENCH_FUSE_ROUTE", "1") != "0"     # router top-k in the gate GEMM
 FUSE_A_POST = os.environ.get("DDBENCH_FUSE_A_POST", "1") != "0"   # mla_a_post in wq_b's GEMM
 
@@ -176,13 +175,12 @@ def tiles(m: int, n: int, k: int, n_sms: int = 132, glu: bool = False) -> tuple[
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `linear(x, w)` takes the Triton path: where it beat cuBLAS on the H200
     (scripts/gpu/skinny_bench.py, docs/BENCHMARKS.md), i.e. CUDA, 1..MAX_ROWS rows (MAX_ROWS = 0
-    turns it off), bf16/fp16, and N <= K (long rows of W) or, with PDL (the kernel's
-    launch overlaps the previous kernel), W of at most WIDE_MAX_BYTES. The engine fuses its
-    norms and epilogues into a GEMM only where this holds for that GEMM (or, for the shared
-    expert's down GEMM, where it held for the router)."""
+    turns it off), N <= K (long rows of W; with PDL the N > K ones were also slower in the
+    decode step: docs/BENCHMARKS.md), bf16/fp16. The engine fuses its norms and epilogues into
+    a GEMM only where this holds for that GEMM (or, for the shared expert's down GEMM, where
+    it held for the router)."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    shape_ok = w.shape[0] <= w.shape[1] or (w.numel() * w.element_size() <= WIDE_MAX_BYTES and pdl.on(x))
-    return (x.is_cuda and 0 < rows <= MAX_ROWS and shape_ok
+    return (x.is_cuda and 0 < rows <= MAX_ROWS and w.shape[0] <= w.shape[1]
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype)
 
 

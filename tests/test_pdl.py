@@ -9,11 +9,9 @@ from kernels import fused_ops, pdl, skinny
 from kernels.moe import fused_moe, random_marlin_moe
 
 
-def test_pdl_is_off_for_cpu_tensors_and_wide_gemms_stay_on_torch():
-    x = torch.randn(1, 64)
-    assert pdl.on(x) == 0
+def test_pdl_is_off_for_cpu_tensors():
+    assert pdl.on(torch.randn(1, 64)) == 0
     assert pdl.launch_kw(0) == {} and pdl.launch_kw(2) == {"launch_pdl": True}
-    assert not skinny.fits(x, torch.randn(256, 64))
 
 
 def _chain(x, res, p, cfg):
