@@ -44,9 +44,6 @@ import triton.language as tl  # noqa: E402
 from kernels import pdl  # noqa: E402
 
 LOG2E = 1.4426950408889634
-# cache capacity S up to which one program per (row block, stream) reads the whole live KV
-# (at most 8 tiles of 32): cheaper than split + merge when that is all there is to read
-DIRECT_MAX_LEN = 256
 
 
 @triton.jit
@@ -267,9 +264,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     surplus items exit at once, and a second kernel merges each stream's chunks
     (`merge_tile` = (latent columns, chunks per load, warps) of its programs). Both launch
     with programmatic dependent launch where `kernels.pdl.on` (`use_pdl` overrides).
-    `num_splits` = n sets P = n x B instead (n = 1: one program per stream, no merge); a
-    cache of at most `DIRECT_MAX_LEN` positions (decode with a short context) always runs
-    that way (0 turns that off).
+    `num_splits` = n sets P = n x B instead (n = 1: one program per stream, no merge).
     L and R must be powers of two (512 and 64 on K2.6). The keyword knobs override the
     heuristics (tuned on the H200: `docs/notes/tree.md`).
     """
@@ -298,8 +293,6 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     n_mb = triton.cdiv(rows, block_m)
     if num_splits is not None:
         n_work = num_splits * b
-    elif ckv.shape[1] <= DIRECT_MAX_LEN and waves is None:
-        n_work = b                                     # short cache: no split, no merge launch
     else:
         n_work = max(b, int((2.0 if waves is None else waves) * _n_sm(dev)) // n_mb)
     direct = n_work <= b

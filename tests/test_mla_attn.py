@@ -87,7 +87,6 @@ WORK_CASES = [  # streams, new tokens, heads, cache len S, prefix per stream, kn
     (5, 3, 2, 400, [3, 390, 0, 64, 150], dict(min_chunk=16, waves=9.0)),  # > BLOCK_S chunks to merge
     (4, 2, 4, 512, [40, 7, 33, 20], {}),                             # default heuristic, S >> live
     (3, 1, 2, 256, [200, 10, 120], dict(num_splits=4, block_n=16)),
-    (2, 3, 4, 200, [150, 30], {}),                                   # S <= DIRECT_MAX_LEN: no split
 ]
 
 
