@@ -148,7 +148,7 @@ class MLA(nn.Module):
         a_post = (qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin, ckv, kpe, prefix_len, cfg.norm_eps)
         if skinny.FUSE_A_POST and self.ops.fuses(qkv[..., :cfg.q_lora_rank], self.wq_b.weight):
             # one launch: q_norm(q latent) as wq_b's prologue, q's rope as its epilogue; its
-            # program 0 writes kv_norm(kv latent) and rope(k_pe) into the cache at prefix_len[b] + j
+            # extra program writes kv_norm(kv latent) and rope(k_pe) into the cache at prefix_len[b] + j
             q = skinny.mla_wq_b(*a_post, self.wq_b.weight, dn + dr, dn)
         else:
             # one kernel: q_norm(q latent) -> q_a; kv_norm(kv latent) and rope(k_pe) straight
@@ -247,9 +247,10 @@ class MoE(nn.Module):
         # with xp (CUDA-core expert path, skinny path) the k expert rows of each token are
         # summed in the shared expert's down GEMM, not by the MoE's own last launch
         k_rows = cfg.top_k if xp is not None else 1
-        # the shared expert's gate/up GEMM does not depend on the routed experts: on CUDA it
-        # runs on a side stream beside them (its time then overlaps the "moe" phase)
-        side = self.ops.side_stream(xf)
+        # the shared expert's gate/up GEMM does not depend on the routed experts: on the skinny
+        # path it runs on a side stream beside them (its time then overlaps the "moe" phase;
+        # at 10 rows, cuBLAS path, the step was 5.5 ms slower with it: docs/BENCHMARKS.md)
+        side = self.ops.side_stream(xf) if xp is not None else None
         if side is not None:
             main = torch.cuda.current_stream(xf.device)
             side.wait_stream(main)

@@ -26,7 +26,6 @@ from engine.parallel import SimComm  # noqa: E402
 OPTIONS = {  # option -> (module, attribute, value that switches it off)
     "pdl": ("kernels.pdl", "ENABLED", False),
     "pdl trigger": ("kernels.pdl", "TRIGGER", False),
-    "direct attention": ("kernels.mla_attn", "DIRECT_MAX_LEN", 0),
     "fused route": ("kernels.skinny", "FUSE_ROUTE", False),
     "fused a_post": ("kernels.skinny", "FUSE_A_POST", False),
     "fused moe act": ("kernels.moe_gemv", "FUSE_ACT", False),
