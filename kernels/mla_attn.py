@@ -44,20 +44,30 @@ import triton.language as tl  # noqa: E402
 from kernels import pdl  # noqa: E402
 
 LOG2E = 1.4426950408889634
+# at most this many chunks per stream (0: no cap): with min_chunk 32 a short decode cache is
+# cut fine (1 x 160: 10.2 us vs 12.5 at 64) while a long single stream is not cut into
+# hundreds of partials to merge (1 x 8k: 18.9 us at chunks of 128 vs 23.3 at 32;
+# results/h200/attn_probe.csv, H200)
+MAX_CHUNKS = 64
+MIN_CHUNK = 32    # default min_chunk of decode-size calls (num_splits not given)
 
 
 @triton.jit
-def _work_split(plen_ptr, B, T, P, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+def _work_split(plen_ptr, B, T, P, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                MAX_CHUNKS: tl.constexpr):
     """Split every stream's live KV (prefix + T) into chunks of one common size, chosen on
     the device from the total live length so that all streams together make at most P + B
-    work items (chunk >= MIN_CHUNK, a multiple of BLOCK_N). Returns, per stream ([BB],
-    zero-padded): live length, number of chunks, index of its first work item; and the
-    chunk size."""
+    work items (chunk >= MIN_CHUNK, a multiple of BLOCK_N) and no stream more than
+    MAX_CHUNKS (0: no cap; a long single stream then merges fewer partials). Returns, per
+    stream ([BB], zero-padded): live length, number of chunks, index of its first work item;
+    and the chunk size."""
     sb = tl.arange(0, BB)
     sok = sb < B
     lens = tl.load(plen_ptr + sb, mask=sok, other=0).to(tl.int32) + tl.where(sok, T, 0)   # [BB]
     chunk = tl.cdiv(tl.cdiv(tl.sum(lens, axis=0), P), BLOCK_N) * BLOCK_N
     chunk = tl.maximum(chunk, MIN_CHUNK)
+    if MAX_CHUNKS > 0:
+        chunk = tl.maximum(chunk, tl.cdiv(tl.cdiv(tl.max(lens, axis=0), MAX_CHUNKS), BLOCK_N) * BLOCK_N)
     n_chunks = tl.cdiv(lens, chunk)                                                         # [BB]
     first = tl.cumsum(n_chunks, axis=0) - n_chunks                                          # [BB]
     return lens, n_chunks, first, chunk
@@ -116,7 +126,7 @@ def _mla_split_kernel(
     out_ptr, so_b, so_t, so_h,
     # sizes
     B, T, H, R, P, qk_scale,           # R = T*H query rows; P = target number of work items
-    DL: tl.constexpr, DR: tl.constexpr, BB: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    DL: tl.constexpr, DR: tl.constexpr, BB: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -134,7 +144,7 @@ def _mla_split_kernel(
         start = kv_len * 0
         end = kv_len
     else:
-        lens, n_chunks, first, chunk = _work_split(plen_ptr, B, T, P, BB, BLOCK_N, MIN_CHUNK)
+        lens, n_chunks, first, chunk = _work_split(plen_ptr, B, T, P, BB, BLOCK_N, MIN_CHUNK, MAX_CHUNKS)
         sb = tl.arange(0, BB)
         b = tl.sum((first + n_chunks <= w).to(tl.int32), axis=0)     # padding ends at the total
         b = tl.minimum(b, B - 1)                                      # w past the total: empty range
@@ -196,14 +206,14 @@ def _mla_combine_kernel(
     plen_ptr,
     out_ptr, so_b, so_t, so_h,            # [B, T, H, DL]
     B, T, H, R, P,
-    DL: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    DL: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query block, latent block, stream): merge the stream's work items (the same
     `_work_split` as the split kernel) in one online pass, BLOCK_S items per load (one
     load for up to BLOCK_S chunks: no chain of small dependent loads)."""
     mb, db, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    lens, n_chunks, first, chunk = _work_split(plen_ptr, B, T, P, BB, BLOCK_N, MIN_CHUNK)
+    lens, n_chunks, first, chunk = _work_split(plen_ptr, B, T, P, BB, BLOCK_N, MIN_CHUNK, MAX_CHUNKS)
     sb = tl.arange(0, BB)
     w0 = tl.sum(tl.where(sb == b, first, 0), axis=0).to(tl.int64)
     n_split = tl.sum(tl.where(sb == b, n_chunks, 0), axis=0)
@@ -259,7 +269,8 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     Flash-decoding without a host sync (CUDA-graph safe): the grid has a fixed number of
     work items, P + B, with P = `waves` x SMs / query blocks (default 2: two programs per
     SM). The kernel reads `prefix_len` on the device and cuts the live KV of all streams
-    into chunks of one size (at least `min_chunk` positions, default 64) so that they fill
+    into chunks of one size (at least `min_chunk` positions, default 32, and long enough that
+    no stream has more than `MAX_CHUNKS`) so that they fill
     at most those items; streams of different lengths get different numbers of chunks,
     surplus items exit at once, and a second kernel merges each stream's chunks
     (`merge_tile` = (latent columns, chunks per load, warps) of its programs). Both launch
@@ -287,8 +298,8 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     if num_stages is None:
         num_stages = 3 if small else 2                 # 32 x 576 bf16 tiles: 2 in flight, 2 programs/SM
     if min_chunk is None:
-        # 64: within 5% of the best of 32/64/128 at 1x8k, 10x1k, 10x8k (scripts/gpu/attn_probe.py)
-        min_chunk = 64 if num_splits is None else block_n
+        # 32 with the MAX_CHUNKS cap (see there; scripts/gpu/attn_probe.py)
+        min_chunk = MIN_CHUNK if num_splits is None else block_n
     min_chunk = triton.cdiv(min_chunk, block_n) * block_n
     n_mb = triton.cdiv(rows, block_m)
     if num_splits is not None:
@@ -318,7 +329,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         o_part, m_part, l_part,
         out, out.stride(0), out.stride(1), out.stride(2),
         b, t, h, rows, n_work, scale * LOG2E,
-        DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
+        DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
         PREC=prec, PDL=on, num_warps=num_warps, num_stages=num_stages, **pdl.launch_kw(on))
     if not direct:
         # [BLOCK_S, BM, BD] fp32 partials per load, 8192 values; decode (<= 16 rows): 2 warps
@@ -328,6 +339,6 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         bd, bs, merge_warps = merge_tile or (bd, bs, 2 if small else 4)
         _mla_combine_kernel[(triton.cdiv(rows, bm), dl // bd, b)](
             o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
-            b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk,
+            b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS,
             BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, PDL=on, num_warps=merge_warps, **pdl.launch_kw(on))
     return out

@@ -23,17 +23,18 @@ from engine.config import preset  # noqa: E402
 from engine.decode import Decoder  # noqa: E402
 from engine.parallel import SimComm  # noqa: E402
 
-OPTIONS = {  # option -> (module, attribute, value that switches it off)
-    "pdl": ("kernels.pdl", "ENABLED", False),
-    "pdl trigger": ("kernels.pdl", "TRIGGER", False),
-    "fused route": ("kernels.skinny", "FUSE_ROUTE", False),
-    "fused a_post": ("kernels.skinny", "FUSE_A_POST", False),
-    "fused moe act": ("kernels.moe_gemv", "FUSE_ACT", False),
-    "shared expert stream": ("engine.model", "SIDE_STREAM", False),
+OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
+    "pdl": [("kernels.pdl", "ENABLED", False)],
+    "pdl trigger": [("kernels.pdl", "TRIGGER", False)],
+    "fused route": [("kernels.skinny", "FUSE_ROUTE", False)],
+    "fused a_post": [("kernels.skinny", "FUSE_A_POST", False)],
+    "fused moe act": [("kernels.moe_gemv", "FUSE_ACT", False)],
+    "shared expert stream": [("engine.model", "SIDE_STREAM", False)],
+    "attention chunks 32 capped": [("kernels.mla_attn", "MIN_CHUNK", 64), ("kernels.mla_attn", "MAX_CHUNKS", 0)],
 }
-present = {k: v for k, v in OPTIONS.items() if hasattr(importlib.import_module(v[0]), v[1])}
+present = {k: v for k, v in OPTIONS.items() if all(hasattr(importlib.import_module(m), a) for m, a, _ in v)}
 for k in OPTIONS.keys() - present.keys():
-    print(f"note: option {k!r} ({OPTIONS[k][0]}.{OPTIONS[k][1]}) not in this tree, skipped")
+    print(f"note: option {k!r} ({OPTIONS[k]}) not in this tree, skipped")
 VARIANTS = {"default": [], **{f"no {k}": [k] for k in present}, "all off": list(present)}
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
@@ -42,12 +43,13 @@ out.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
 cfg = preset("k2.6", tp=8, rank=0)
 model, _ = build_model(cfg, SimComm(8, 0, lambda n: 0.0), None, "triton", "triton", 0, dev, "auto")
-defaults = {k: getattr(importlib.import_module(m), a) for k, (m, a, _) in present.items()}
+defaults = {(m, a): getattr(importlib.import_module(m), a) for v in present.values() for m, a, _ in v}
 
 
 def apply(off: list[str]) -> None:
-    for k, (m, a, v) in present.items():
-        setattr(importlib.import_module(m), a, v if k in off else defaults[k])
+    for k, triples in present.items():
+        for m, a, v in triples:
+            setattr(importlib.import_module(m), a, v if k in off else defaults[(m, a)])
 
 
 rows = []
