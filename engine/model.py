@@ -60,9 +60,9 @@ class Ops:
         return fused_ops.route(linear(x, gate), bias, top_k, scaling)
 
     def fuses(self, x, w) -> bool:
-        """Whether a norm before x W^T, or SiLU(gate) * up, rope or a side job (the router's
-        top-k, MLA's kv side) after it, rides in the skinny GEMM: Triton ops and `skinny.fits`
-        (CUDA, few rows; skinny.MAX_ROWS = 0 turns it off)."""
+        """Whether a norm before x W^T, or SiLU(gate) * up, rope or the router's top-k after it,
+        rides in the skinny GEMM: Triton ops and `skinny.fits` (CUDA, few rows; skinny.MAX_ROWS
+        = 0 turns it off)."""
         return self.kind == "triton" and skinny.fits(x, w)
 
     def norm_linear(self, norm, x, residual, w, glu=False):
@@ -131,7 +131,7 @@ class MLA(nn.Module):
         self.cfg, self.layer, self.ops = cfg, layer, ops
         h, nh = cfg.hidden, cfg.n_heads
         self.wqkv_a = Linear(h, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_dim, device, dtype)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops, device, dtype)   # weights used by mla_a_post / mla_wq_b
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops, device, dtype)   # weights used by mla_a_post
         self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, nh * cfg.qk_head_dim, comm, device, dtype)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, ops, device, dtype)
         self.wkv_b = ColumnParallelLinear(cfg.kv_lora_rank, nh * (cfg.qk_nope_dim + cfg.v_head_dim), comm,
@@ -144,16 +144,11 @@ class MLA(nn.Module):
         cfg = self.cfg
         b, t, _ = qkv.shape
         nh, dn, dr, dv, lat = cfg.n_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        ckv, kpe = cache.ckv[self.layer], cache.kpe[self.layer]
-        a_post = (qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin, ckv, kpe, prefix_len, cfg.norm_eps)
-        if skinny.FUSE_A_POST and self.ops.fuses(qkv[..., :cfg.q_lora_rank], self.wq_b.weight):
-            # one launch: q_norm(q latent) as wq_b's prologue, q's rope as its epilogue; its
-            # extra program writes kv_norm(kv latent) and rope(k_pe) into the cache at prefix_len[b] + j
-            q = skinny.mla_wq_b(*a_post, self.wq_b.weight, dn + dr, dn)
-        else:
-            # one kernel: q_norm(q latent) -> q_a; kv_norm(kv latent) and rope(k_pe) straight
-            # into the cache at prefix_len[b] + j; then wq_b with rope on the rope dims
-            q = self.ops.rope_linear(self.ops.mla_a_post(*a_post), self.wq_b.weight, cos, sin, dn + dr, dn)
+        # one kernel: q_norm(q latent) -> q_a; kv_norm(kv latent) and rope(k_pe) straight
+        # into the cache at prefix_len[b] + j
+        q_a = self.ops.mla_a_post(qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin,
+                                  cache.ckv[self.layer], cache.kpe[self.layer], prefix_len, cfg.norm_eps)
+        q = self.ops.rope_linear(q_a, self.wq_b.weight, cos, sin, dn + dr, dn)  # wq_b, rope on the rope dims
         q = q.view(b, t, nh, dn + dr)                                           # [B, T, nh, Dn+Dr]
         q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
         wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]

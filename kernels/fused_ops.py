@@ -13,8 +13,8 @@ number of kernels; these kernels replace chains of 5-25 elementwise torch ops:
   renormalised and scaled.
 
 All wrappers take fp32/bf16/fp16 and compute in fp32. Every `*_ref` is the meaning.
-On the skinny path (kernels.skinny) the work of `route` and of `mla_a_post`'s kv side rides
-in a GEMM instead; both share the code here (`route_row`, `mla_kv_store`).
+On the skinny path (kernels.skinny) the work of `route` rides in the gate GEMM instead,
+with the same code (`route_row`).
 On Hopper the kernels of the decode chain (norm, mla_a_post, route) launch with PDL and
 wait for their predecessor first thing (`kernels.pdl`).
 """
@@ -103,33 +103,21 @@ def _mla_a_post_kernel(
     a = tl.load(src + oq, mask=mq, other=0.0).to(tl.float32)
     a = a / tl.sqrt(tl.sum(a * a, axis=0) / Q + eps) * tl.load(qw_ptr + oq, mask=mq, other=0.0).to(tl.float32)
     tl.store(q_ptr + row * stride_q + oq, a.to(q_ptr.dtype.element_ty), mask=mq)
-    mla_kv_store(src + Q, kvw_ptr, cos_ptr + row * stride_cs, sin_ptr + row * stride_cs, plen_ptr, row, T,
-                 ckv_ptr, kpe_ptr, stride_cb, stride_cs_pos, stride_pb, stride_ps_pos, L, R, eps, BLOCK_L, BLOCK_H)
-
-
-@triton.jit
-def mla_kv_store(src, kvw_ptr, cos_row, sin_row, plen_ptr, row, T, ckv_ptr, kpe_ptr,
-                 stride_cb, stride_cs_pos, stride_pb, stride_ps_pos, L, R, eps,
-                 BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr):
-    """The kv side of one new token (row = b * T + t): src points at its kv latent (L values)
-    followed by k_pe (R); kv_norm(latent) -> ckv[b, pos], interleaved rope of k_pe with the
-    row's cos/sin (R/2 each) -> kpe[b, pos], pos = prefix_len[b] + t. Used by `mla_a_post`
-    and by the skinny wq_b GEMM (kernels.skinny.mla_wq_b)."""
+    # kv latent: RMSNorm -> ckv cache at prefix_len[b] + t
     b = row // T
     pos = tl.load(plen_ptr + b).to(tl.int64) + row % T
-    # kv latent: RMSNorm -> ckv cache
     offs = tl.arange(0, BLOCK_L)
     m = offs < L
-    c = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
+    c = tl.load(src + Q + offs, mask=m, other=0.0).to(tl.float32)
     c = c / tl.sqrt(tl.sum(c * c, axis=0) / L + eps) * tl.load(kvw_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(ckv_ptr + b * stride_cb + pos * stride_cs_pos + offs, c.to(ckv_ptr.dtype.element_ty), mask=m)
     # k_pe: interleaved rope -> kpe cache
     i = tl.arange(0, BLOCK_H)
     mh = i < R // 2
-    x0 = tl.load(src + L + 2 * i, mask=mh, other=0.0).to(tl.float32)
-    x1 = tl.load(src + L + 2 * i + 1, mask=mh, other=0.0).to(tl.float32)
-    cs = tl.load(cos_row + i, mask=mh, other=0.0)
-    sn = tl.load(sin_row + i, mask=mh, other=0.0)
+    x0 = tl.load(src + Q + L + 2 * i, mask=mh, other=0.0).to(tl.float32)
+    x1 = tl.load(src + Q + L + 2 * i + 1, mask=mh, other=0.0).to(tl.float32)
+    cs = tl.load(cos_ptr + row * stride_cs + i, mask=mh, other=0.0)
+    sn = tl.load(sin_ptr + row * stride_cs + i, mask=mh, other=0.0)
     dst = kpe_ptr + b * stride_pb + pos * stride_ps_pos
     tl.store(dst + 2 * i, (x0 * cs - x1 * sn).to(kpe_ptr.dtype.element_ty), mask=mh)
     tl.store(dst + 2 * i + 1, (x0 * sn + x1 * cs).to(kpe_ptr.dtype.element_ty), mask=mh)

@@ -13,15 +13,11 @@ residual, the normed row and its `moe_gemv` order, each a slice of the row), and
 epilogues: SiLU(gate) * up for [gate | up] weights (`glu`), interleaved rope on each head's
 rope columns (`rope`, MLA's q), and an add of the sum of several rows per output row
 (`add_rows`, the routed experts' k rows of a token added in the shared expert's down GEMM).
-Two side jobs ride along, each replacing a launch of its own:
-- the router (`norm_linear(route=)`, switch FUSE_ROUTE): the gate GEMM's last program to
-  finish (`kernels.ticket`) reads back every logit and computes each row's top-k as
-  `fused_ops.route` (same code, `fused_ops.route_row`);
-- MLA's `fused_ops.mla_a_post` (`mla_wq_b`, switch FUSE_A_POST): wq_b's GEMM takes q_norm as
-  its prologue, reading the q latent straight from the wqkv_a output rows, and one extra
-  program of the launch does the kv side (kv_norm and k_pe's rope into the KV cache, `fused_ops.mla_kv_store`).
-The switches (environment DDBENCH_FUSE_ROUTE=0 / DDBENCH_FUSE_A_POST=0 turn them off) are
-read by the engine at each call.
+A side job rides along, replacing a launch of its own: the router (`norm_linear(route=)`,
+switch FUSE_ROUTE): the gate GEMM's last program to finish (`kernels.ticket`) reads back
+every logit and computes each row's top-k as `fused_ops.route` (same code,
+`fused_ops.route_row`). The switch (environment DDBENCH_FUSE_ROUTE=0 turns it off) is read
+by the engine at each call.
 """
 from __future__ import annotations
 
@@ -33,13 +29,12 @@ import triton
 import triton.language as tl
 
 from kernels import pdl, ticket
-from kernels.fused_ops import mla_kv_store, route_row
+from kernels.fused_ops import route_row
 from kernels.moe_gemv import store_permuted
 from kernels.moe_triton import sm_count
 
 MAX_ROWS = 4
 FUSE_ROUTE = os.environ.get("DDBENCH_FUSE_ROUTE", "1") != "0"     # router top-k in the gate GEMM
-FUSE_A_POST = os.environ.get("DDBENCH_FUSE_A_POST", "1") != "0"   # mla_a_post in wq_b's GEMM
 
 
 @triton.jit
@@ -53,10 +48,6 @@ def _skinny_kernel(
     cos_ptr, sin_ptr, stride_cs,
     # route epilogue (one batch): y = gate logits [M, N]; bias [N] -> ids int32 [M, TOP_K], weights fp32 [M, TOP_K]
     bias_ptr, ids_ptr, rw_ptr, cnt_ptr, scaling,
-    # kv side job (one batch, with ROPE's cos/sin): rows of kv [M, L+R] (row = b*T + t) -> caches ckv [B, S, L],
-    # kpe [B, S, R] at prefix_len[b] + t
-    kv_ptr, stride_kv, kvw_ptr, plen_ptr, ckv_ptr, kpe_ptr, stride_cb, stride_cpos, stride_pb, stride_ppos,
-    T, L, R, kv_eps,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
     HAS_ADD: tl.constexpr, ADD_ROWS: tl.constexpr,   # add holds ADD_ROWS rows per output row, summed
     NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_H: tl.constexpr, OUT_XN: tl.constexpr, OUT_XP: tl.constexpr,
@@ -64,12 +55,11 @@ def _skinny_kernel(
     GLU: tl.constexpr,                    # y = SiLU(x W[n]^T) * x W[N + n]^T (W = [gate | up] rows)
     ROPE: tl.constexpr, HEAD: tl.constexpr, ROPE_OFF: tl.constexpr,
     ROUTE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr,
-    KV: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,                    # launched as a dependent of the previous kernel (kernels.pdl)
 ):
     """Program (column block, batch): y[b, :, n] = x[b] W[b, n]^T (+ add) for BN columns, then
-    the epilogues in the order GLU, ROPE, add; then the side jobs: ROUTE in the last program
-    to finish, KV in one extra program past the column blocks.
+    the epilogues in the order GLU, ROPE, add; then the side job ROUTE in the last program to
+    finish.
 
     With NORM the row's 1/rms is a per-row factor, so it is summed alongside the product
     (sum of h^2 over the same x tiles) and applied after the loop: no extra pass over x."""
@@ -136,12 +126,6 @@ def _skinny_kernel(
             for row in range(0, M):
                 route_row(y_ptr + row * stride_ym, bias_ptr, ids_ptr + row * TOP_K, rw_ptr + row * TOP_K, N,
                           scaling, TOP_K, BLOCK_E, BLOCK_TK)
-    if KV:  # one extra program, past the column blocks; inputs written by the previous kernel: no ticket
-        if tl.program_id(0) == tl.num_programs(0) - 1:
-            for row in range(0, M):
-                mla_kv_store(kv_ptr + row * stride_kv, kvw_ptr, cos_ptr + row * stride_cs, sin_ptr + row * stride_cs,
-                             plen_ptr, row, T, ckv_ptr, kpe_ptr, stride_cb, stride_cpos, stride_pb, stride_ppos,
-                             L, R, kv_eps, BLOCK_L, BLOCK_H)
 
 
 @triton.jit
@@ -281,45 +265,10 @@ def norm_linear_ref(x, norm_w, eps, w, residual=None, glu=False):
     return (silu_mul_ref(y) if glu else y), h, xn
 
 
-def mla_wq_b(qkv: torch.Tensor, q_w: torch.Tensor, kv_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             ckv: torch.Tensor, kpe: torch.Tensor, prefix_len: torch.Tensor, eps: float, w: torch.Tensor,
-             head: int, offset: int, tile: tuple[int, int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
-    """MLA between the wqkv_a GEMM and the query absorption in one launch: `fused_ops.mla_a_post`
-    then wq_b with q's rope, i.e. `mla_wq_b_ref`.
-
-    qkv `[B, T, Q+L+R]` (rows may be strided), q_w `[Q]`, kv_w `[L]`, cos/sin `[B, T, R/2]`,
-    caches ckv `[B, S, L]`, kpe `[B, S, R]`, prefix_len int `[B]`, w = wq_b `[N, Q]` (heads of
-    `head` columns, rope on columns offset.. of each). Returns q `[B, T, N]`; writes
-    kv_norm(kv latent) to ckv and rope(k_pe) to kpe at positions prefix_len[b] + t.
-    The q latent's RMSNorm is the GEMM's prologue (y from the unrounded fp32 normed row); the
-    kv side is done by one extra program (`fused_ops.mla_kv_store`, as in `mla_a_post`).
-    """
-    b, t, width = qkv.shape
-    lat, r = ckv.shape[-1], kpe.shape[-1]
-    q_dim = width - lat - r
-    if w.shape[1] != q_dim or ckv.stride(-1) != 1 or kpe.stride(-1) != 1:
-        raise ValueError(f"mla_wq_b: wq_b {tuple(w.shape)} for a q latent of {q_dim}; caches need unit last strides")
-    qkv2 = _unit_last(qkv.reshape(b * t, width))                                   # [B*T, Q+L+R]
-    y = torch.empty(b * t, w.shape[0], dtype=qkv.dtype, device=qkv.device)
-    skinny_bmm(qkv2[None, :, :q_dim], w[None], y[None], tile=tile, num_warps=num_warps,
-               norm=(q_w, eps, None, None, None, None), rope=(cos, sin, head, offset),
-               kv=(qkv2[:, q_dim:], kv_w, eps, ckv, kpe, prefix_len, t))
-    return y.view(b, t, -1)
-
-
-def mla_wq_b_ref(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps, w, head, offset):
-    """The unfused meaning of `mla_wq_b`: mla_a_post_ref, wq_b, rope_ref_ on q's rope dims."""
-    from kernels.fused_ops import mla_a_post_ref, rope_ref_
-
-    q = F.linear(mla_a_post_ref(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps), w)   # [B, T, N]
-    rope_ref_(q.view(*q.shape[:2], -1, head), cos, sin, offset)                              # [B, T, N/head, head]
-    return q
-
-
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.Tensor | None = None,
                tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4,
                glu: bool = False, norm: tuple | None = None, rope: tuple | None = None,
-               add_rows: int = 1, route: tuple | None = None, kv: tuple | None = None) -> torch.Tensor:
+               add_rows: int = 1, route: tuple | None = None) -> torch.Tensor:
     """out[b] = x[b] @ w[b]^T (+ add[b]): x `[B, M, K]`, w `[B, N, K]`, out `[B, M, N]`, any
     strides except unit strides on the last dims of x, out and add (w may be a transposed view).
     glu: w `[B, 2N, K]`, out = SiLU(x gate^T) * x up^T. norm (B = 1): the prologue's
@@ -327,9 +276,7 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
     rope (B = 1): (cos, sin, head, offset) as `skinny_linear`. add_rows: add `[B, M*add_rows, N]`,
     out[b, i] gets the sum of add rows i*add_rows ..< (i+1)*add_rows.
     route (B = 1): (bias, ids, weights, scaling): out are gate logits, ids/weights `[M, k]`
-    get their routing (`fused_ops.route`), computed by the grid's last program.
-    kv (B = 1, with rope): (src, kv_w, eps, ckv, kpe, prefix_len, T): an extra program writes the kv
-    side of each row of src `[M, L+R]` (rows b*T + t) as `fused_ops.mla_a_post`, with rope's cos/sin."""
+    get their routing (`fused_ops.route`), computed by the grid's last program."""
     bsz, m, k = x.shape
     n = out.shape[2]
     if w.shape[1] != (2 * n if glu else n):
@@ -339,8 +286,8 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
             raise ValueError(f"skinny_bmm needs {name} with a contiguous last dim")
     if add is not None and tuple(add.shape[1:]) != (m * add_rows, n):
         raise ValueError(f"skinny_bmm: add {tuple(add.shape)} is not [B, {m} * {add_rows}, {n}]")
-    if bsz != 1 and any(o is not None for o in (norm, rope, route, kv)):
-        raise ValueError("skinny_bmm: the norm prologue, rope/route epilogues and the kv side job need one batch")
+    if bsz != 1 and any(o is not None for o in (norm, rope, route)):
+        raise ValueError("skinny_bmm: the norm prologue and the rope/route epilogues need one batch")
     a = add if add is not None else out
     bm, bn, bk = tile or tiles(m, n, k, sm_count(x.device) // max(1, bsz), glu)
     cos = sin = None
@@ -352,7 +299,7 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
                              f"rope dims (cos/sin {tuple(cos.shape)}), even offsets")
         if bn < 2:             # the pairs (2i, 2i+1) in one tile
             bn, bk = 2, min(bk, max(64, 4096 // bm))
-    grid = (triton.cdiv(n, bn) + (kv is not None), bsz)   # kv: one more program for the side job
+    grid = (triton.cdiv(n, bn), bsz)
     norm_w, eps, res, h, xn, xp = norm or (None, 0.0, None, None, None, None)
     if norm_w is not None and norm_w.stride(0) != 1:
         raise ValueError("skinny_bmm: the norm weight must be contiguous")
@@ -362,10 +309,6 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
     if route is not None and (tuple(ids.shape) != (m, top_k) or tuple(rw.shape) != (m, top_k)
                               or not (ids.is_contiguous() and rw.is_contiguous() and bias.is_contiguous())):
         raise ValueError(f"skinny_bmm: route outputs {tuple(ids.shape)} / {tuple(rw.shape)} are not contiguous [{m}, k]")
-    src, kv_w, kv_eps, ckv, kpe, plen, t_new = kv or (None, None, 0.0, None, None, None, 1)
-    if kv is not None and (cos is None or src.stride(-1) != 1 or src.shape != (m, ckv.shape[-1] + kpe.shape[-1])
-                           or kpe.shape[-1] != 2 * cos.shape[1] or m % t_new):
-        raise ValueError(f"skinny_bmm: the kv side job needs rope and src [{m}, L+R] rows with a unit last stride")
     xs = x[0]  # stand-in for absent tensors (never read)
     on = pdl.on(x)
     _skinny_kernel[grid](
@@ -376,17 +319,11 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
         cos if cos is not None else xs, sin if sin is not None else xs, 0 if cos is None else cos.stride(0),
         *(t if t is not None else xs for t in (bias, ids, rw)),
         ticket.counters(x.device, "route", 1) if route is not None else xs, float(scaling),
-        src if src is not None else xs, 0 if src is None else src.stride(0),
-        *(t if t is not None else xs for t in (kv_w, plen, ckv, kpe)),
-        *((ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1)) if kv is not None else (0, 0, 0, 0)),
-        t_new, 1 if ckv is None else ckv.shape[-1], 2 if kpe is None else kpe.shape[-1], kv_eps,
         BM=bm, BN=bn, BK=bk, NUM_STAGES=num_stages, HAS_ADD=add is not None, ADD_ROWS=add_rows,
         NORM=norm is not None, HAS_RES=res is not None, OUT_H=h is not None, OUT_XN=xn is not None,
         OUT_XP=xp is not None, WB=wb, GLU=glu,
         ROPE=rope is not None, HEAD=rope[2] if rope else 1, ROPE_OFF=rope[3] if rope else 0,
         ROUTE=route is not None, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(n) if route else 1,
         BLOCK_TK=triton.next_power_of_2(top_k),
-        KV=kv is not None, BLOCK_L=triton.next_power_of_2(ckv.shape[-1]) if kv else 1,
-        BLOCK_H=triton.next_power_of_2(kpe.shape[-1] // 2) if kv else 1,
         PDL=on, num_warps=num_warps, **pdl.launch_kw(on))
     return out

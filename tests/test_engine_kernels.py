@@ -120,14 +120,13 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     """Ops 'triton' with `skinny.fits` opened to any device and fp32 (the interpreter on
     CPU): attn_norm in wqkv_a, ffn_norm in the router gate (which also writes the MoE's
     permuted x and, with FUSE_ROUTE, routes) and in the dense w13, SiLU(gate) * up in the w13
-    GEMMs, q_norm, q's rope and (FUSE_A_POST) the kv cache writes in wq_b, the sum over the k
-    expert rows in the shared down GEMM give the logits and cache of the torch ops. With
+    GEMMs, q's rope in wq_b, the sum over the k expert rows in the shared down GEMM give the
+    logits and cache of the torch ops (mla_a_post stays one launch per layer). With
     skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again."""
     from kernels import fused_ops, moe_gemv, skinny
 
     monkeypatch.setattr(skinny, "MAX_ROWS", max_rows)
     monkeypatch.setattr(skinny, "FUSE_ROUTE", fuse)
-    monkeypatch.setattr(skinny, "FUSE_A_POST", fuse)
     monkeypatch.setattr(skinny, "fits", lambda x, w: 0 < x.numel() // x.shape[-1] <= skinny.MAX_ROWS
                         and w.shape[0] <= w.shape[1])
     calls = {"norm_linear": 0, "permute_rows": 0, "rms_norm": 0, "silu_mul": 0, "rope_": 0, "sum_k": 0,
@@ -152,9 +151,8 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     if max_rows:  # 2 norms per block fused (the final norm stays); the MoE permutes only its w2 input
         want = {"norm_linear": 2 * cfg.n_layers, "permute_rows": n_moe + 2 * act * n_moe, "rms_norm": 1, "silu_mul": 0,
                 "rope_": 0, "sum_k": n_moe,
-                # FUSE_ROUTE: the gate GEMM's last program routes (no route launch per MoE layer);
-                # FUSE_A_POST: wq_b's GEMM does mla_a_post's work (no mla_a_post launch per layer)
-                "route": 0 if fuse else n_moe, "mla_a_post": 0 if fuse else cfg.n_layers}
+                # FUSE_ROUTE: the gate GEMM's last program routes (no route launch per MoE layer)
+                "route": 0 if fuse else n_moe, "mla_a_post": cfg.n_layers}
     else:
         want = {"norm_linear": 0, "permute_rows": 2 * (1 + act) * n_moe, "rms_norm": 2 * cfg.n_layers + 1,
                 "silu_mul": cfg.n_layers, "rope_": cfg.n_layers, "sum_k": 2 * n_moe,

@@ -27,7 +27,6 @@ OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "pdl": [("kernels.pdl", "ENABLED", False)],
     "pdl trigger": [("kernels.pdl", "TRIGGER", False)],
     "fused route": [("kernels.skinny", "FUSE_ROUTE", False)],
-    "fused a_post": [("kernels.skinny", "FUSE_A_POST", False)],
     "fused moe act": [("kernels.moe_gemv", "FUSE_ACT", False)],
     "shared expert stream": [("engine.model", "SIDE_STREAM", False)],
     "attention chunks 32 capped": [("kernels.mla_attn", "MIN_CHUNK", 64), ("kernels.mla_attn", "MAX_CHUNKS", 0)],

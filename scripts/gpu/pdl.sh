@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The launch-saving options of the decode step on one H200 (PDL, kernels/pdl.py; fused route,
-# a_post and MoE act; direct short-cache attention; shared expert on a side stream):
+# The launch-saving options of the decode step on one H200 (PDL, kernels/pdl.py; fused route
+# and MoE act; attention chunk cap; shared expert on a side stream):
 #   1. the decode step with each option off in turn (scripts/gpu/decode_variants.py, ~3 min)
 #   2. GPU tests of the kernels involved: the PDL chain against plain launches
 #      (tests/test_pdl.py), skinny, attention, engine kernels and model, MoE gemv (~2 min)
