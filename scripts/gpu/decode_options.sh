@@ -12,8 +12,8 @@ export PYTHONUNBUFFERED=1
 dir=results/h200/decode
 mkdir -p "$dir"
 stamp=$(date -u +%Y%m%d-%H%M)
-touch "/tmp/pdl_start_$stamp"
-log() { tee -a "$dir/pdl_gpu_$stamp.log"; }
+touch "/tmp/decode_options_$stamp"
+log() { tee -a "$dir/decode_options_$stamp.log"; }
 
 timeout 300 python3 scripts/gpu/decode_variants.py "$dir" 1,10 2>&1 | log || echo "FAILED decode variants"
 [ -f "$dir/decode_variants.csv" ] && mv "$dir/decode_variants.csv" "$dir/decode_variants_$stamp.csv"
@@ -30,5 +30,5 @@ timeout 150 python3 scripts/gpu/decode_profile.py "$dir" 1 2>&1 | tail -25 | log
 
 if [ -n "$OUT" ]; then
   mkdir -p "$OUT/decode"
-  find "$dir" -maxdepth 1 -type f -newer "/tmp/pdl_start_$stamp" -exec cp {} "$OUT/decode/" \;
+  find "$dir" -maxdepth 1 -type f -newer "/tmp/decode_options_$stamp" -exec cp {} "$OUT/decode/" \;
 fi
