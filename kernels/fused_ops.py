@@ -75,10 +75,9 @@ def rms_norm(x, w, eps, residual=None):
     else:
         r2 = h = y
     block = _pow2(d)
-    on = pdl.on(x2)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, w, y, h, x2.stride(0), r2.stride(0), y.stride(0), h.stride(0),
-                                     d, eps, HAS_RES=has_res, BLOCK=block, PDL=on,
-                                     num_warps=8 if block >= 4096 else 4, **pdl.launch_kw(on))
+                                     d, eps, HAS_RES=has_res, BLOCK=block,
+                                     num_warps=8 if block >= 4096 else 4, **pdl.args(pdl.on(x2)))
     y = y.view(x.shape)
     return (y, h.view(x.shape)) if has_res else y
 
@@ -160,13 +159,12 @@ def mla_a_post(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps):
     cos2, sin2 = cos.reshape(b * t, -1).float().contiguous(), sin.reshape(b * t, -1).float().contiguous()
     assert qkv2.stride(-1) == 1 and ckv.stride(-1) == 1 and kpe.stride(-1) == 1
     q = torch.empty(b * t, q_dim, dtype=qkv.dtype, device=qkv.device)
-    on = pdl.on(qkv2)
     _mla_a_post_kernel[(b * t,)](qkv2, q_w, kv_w, cos2, sin2, q, ckv, kpe, prefix_len,
                                  qkv2.stride(0), cos2.stride(0), q.stride(0),
                                  ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1),
                                  t, q_dim, lat, r, eps,
-                                 BLOCK_Q=_pow2(q_dim), BLOCK_L=_pow2(lat), BLOCK_H=_pow2(r // 2), PDL=on,
-                                 num_warps=8 if q_dim >= 1024 else 4, **pdl.launch_kw(on))
+                                 BLOCK_Q=_pow2(q_dim), BLOCK_L=_pow2(lat), BLOCK_H=_pow2(r // 2),
+                                 num_warps=8 if q_dim >= 1024 else 4, **pdl.args(pdl.on(qkv2)))
     return q.view(b, t, q_dim)
 
 
@@ -300,7 +298,6 @@ def route(logits, bias, top_k, scaling):
     lg = logits.contiguous()
     ids = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)
     w = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
-    on = pdl.on(lg)
     _route_kernel[(n,)](lg, bias, ids, w, lg.stride(0), e, float(scaling),
-                        K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), PDL=on, num_warps=1, **pdl.launch_kw(on))
+                        K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), num_warps=1, **pdl.args(pdl.on(lg)))
     return ids, w

@@ -330,7 +330,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         out, out.stride(0), out.stride(1), out.stride(2),
         b, t, h, rows, n_work, scale * LOG2E,
         DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
-        PREC=prec, PDL=on, num_warps=num_warps, num_stages=num_stages, **pdl.launch_kw(on))
+        PREC=prec, num_warps=num_warps, num_stages=num_stages, **pdl.args(on))
     if not direct:
         # [BLOCK_S, BM, BD] fp32 partials per load, 8192 values; decode (<= 16 rows): 2 warps
         # (1.0 us less than 4 at 10 x 8k on the H200: less of the sum over chunks crosses warps)
@@ -340,5 +340,5 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         _mla_combine_kernel[(triton.cdiv(rows, bm), dl // bd, b)](
             o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
             b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS,
-            BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, PDL=on, num_warps=merge_warps, **pdl.launch_kw(on))
+            BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, num_warps=merge_warps, **pdl.args(on))
     return out

@@ -253,10 +253,9 @@ def permute_rows(src: torch.Tensor, topk_weights: torch.Tensor | None = None, sp
     dst = torch.empty(rows, 2 * k, dtype=torch.float32, device=src.device)
     block = min(1024, triton.next_power_of_2(k))
     tw = topk_weights if gated else dst
-    on = pdl.on(src)
     _permute_kernel[(rows, triton.cdiv(k, block))](
         src, dst, tw, src.stride(0) if gated else 0, src.stride(-2), dst.stride(0), k, splits,
-        GATED=gated, SP=triton.next_power_of_2(splits), BLOCK=block, PDL=on, num_warps=4, **pdl.launch_kw(on))
+        GATED=gated, SP=triton.next_power_of_2(splits), BLOCK=block, num_warps=4, **pdl.args(pdl.on(src)))
     return dst
 
 
@@ -281,13 +280,12 @@ def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids
     else:
         act = tw = count = out
         act_block, sp = 1, 1
-    on = pdl.on(a)
     _gemv_kernel[(blocks, n // bn, split)](
         a, w, scales, ids, *route, out, act, tw, count,
         a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
         act.stride(0), a_div, group, per_split, k_steps,
         BM=cfg.block_m, BN=bn, PER_CHANNEL=k == group, num_warps=cfg.num_warps, NUM_STAGES=cfg.num_stages,
-        ACT=fuse, ACT_BLOCK=act_block, SP=sp, PDL=on, **pdl.launch_kw(on))
+        ACT=fuse, ACT_BLOCK=act_block, SP=sp, **pdl.args(pdl.on(a)))
     return act if fuse else out
 
 
@@ -330,9 +328,8 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         return y[0]
     out = torch.empty(t, h, dtype=dtype, device=mid.device)
     block = min(1024, triton.next_power_of_2(h))
-    on = pdl.on(y)
     _sum_k_kernel[(t, triton.cdiv(h, block))](y, out, h, TOP_K=k, KP=triton.next_power_of_2(k), BLOCK=block,
-                                               PDL=on, num_warps=4, **pdl.launch_kw(on))
+                                               num_warps=4, **pdl.args(pdl.on(y)))
     return out
 
 

@@ -5,7 +5,7 @@ With PDL (Hopper and later) kernel i+1 is launched while kernel i still runs: it
 become resident as SMs free up and wait in `griddepcontrol.wait` until kernel i has
 completed and its writes are visible, so the launch overlaps kernel i's tail.
 
-The rules every kernel launched with `launch_kw` follows, so that the chain is correct
+The rules every kernel launched with `args` follows, so that the chain is correct
 whatever overlaps:
 1. each program calls `enter` (wait; then, in mode 2, let the next kernel launch) before it
    reads any input, writes anything, or exits;
@@ -44,9 +44,10 @@ def on(t: torch.Tensor) -> int:
     return 2 if TRIGGER else 1
 
 
-def launch_kw(mode: int) -> dict:
-    """Extra launch arguments of a Triton kernel in PDL mode `mode`."""
-    return {"launch_pdl": True} if mode else {}
+def args(mode: int) -> dict:
+    """Launch arguments of a Triton kernel with a `PDL: tl.constexpr` (for `enter`) in PDL
+    mode `mode`: the constexpr, and the launch attribute when on."""
+    return {"PDL": mode, "launch_pdl": True} if mode else {"PDL": 0}
 
 
 @triton.jit

@@ -310,7 +310,6 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
                               or not (ids.is_contiguous() and rw.is_contiguous() and bias.is_contiguous())):
         raise ValueError(f"skinny_bmm: route outputs {tuple(ids.shape)} / {tuple(rw.shape)} are not contiguous [{m}, k]")
     xs = x[0]  # stand-in for absent tensors (never read)
-    on = pdl.on(x)
     _skinny_kernel[grid](
         x, w, a, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         a.stride(0), a.stride(1), out.stride(0), out.stride(1),
@@ -325,5 +324,5 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
         ROPE=rope is not None, HEAD=rope[2] if rope else 1, ROPE_OFF=rope[3] if rope else 0,
         ROUTE=route is not None, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(n) if route else 1,
         BLOCK_TK=triton.next_power_of_2(top_k),
-        PDL=on, num_warps=num_warps, **pdl.launch_kw(on))
+        num_warps=num_warps, **pdl.args(pdl.on(x)))
     return out

@@ -11,7 +11,7 @@ from kernels.moe import fused_moe, random_marlin_moe
 
 def test_pdl_is_off_for_cpu_tensors():
     assert pdl.on(torch.randn(1, 64)) == 0
-    assert pdl.launch_kw(0) == {} and pdl.launch_kw(2) == {"launch_pdl": True}
+    assert pdl.args(0) == {"PDL": 0} and pdl.args(2) == {"PDL": 2, "launch_pdl": True}
 
 
 def _chain(x, res, p, cfg):
