@@ -1,10 +1,11 @@
 """The CUDA-graph decode step with each launch-saving option switched off in turn (H200,
 K2.6 TP-8 rank-0 shard), so each option's gain is measured in the step it is for.
 
-python3 scripts/gpu/decode_variants.py [OUT_DIR] [CONCURRENCY,...]: builds the rank-0 shard
+python3 scripts/gpu/decode_variants.py [OUT_DIR] [CONCURRENCY,...] [OPTION,...]: builds the rank-0 shard
 with random weights once, prefills 128 tokens, then for each variant re-captures the step
 graph from the same state and times 40 back-to-back replays (after 20 untimed ones). A
-variant sets module attributes (`VARIANTS`); `default` changes none, `all off` all of them.
+variant sets module attributes (`VARIANTS`); `default` changes none, `all off` all of them (all
+OPTIONS, or those named in the third argument).
 `same_tokens`: the variant's 20 greedy tokens equal default's (options that change the
 rounding order may flip a token of the random-weight model; informational). Writes
 OUT_DIR/decode_variants.csv. About 2-3 minutes (init, compiles).
@@ -30,9 +31,14 @@ OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "fused moe act": [("kernels.moe_gemv", "FUSE_ACT", False)],
     "shared expert stream": [("engine.model", "SIDE_STREAM", False)],
     "attention chunks 32 capped": [("kernels.mla_attn", "MIN_CHUNK", 64), ("kernels.mla_attn", "MAX_CHUNKS", 0)],
+    "attention one launch": [("kernels.mla_attn", "FUSE_COMBINE", False)],
+    "moe one launch": [("kernels.moe_gemv", "FUSE_W2", False)],
+    "moe one launch w2 256 columns": [("kernels.moe_gemv", "W2_WORDS", 4096)],
 }
-present = {k: v for k, v in OPTIONS.items() if all(hasattr(importlib.import_module(m), a) for m, a, _ in v)}
-for k in OPTIONS.keys() - present.keys():
+pick = sys.argv[3].split(",") if len(sys.argv) > 3 else list(OPTIONS)
+present = {k: v for k, v in OPTIONS.items()
+           if k in pick and all(hasattr(importlib.import_module(m), a) for m, a, _ in v)}
+for k in set(pick) & OPTIONS.keys() - present.keys():
     print(f"note: option {k!r} ({OPTIONS[k]}) not in this tree, skipped")
 VARIANTS = {"default": [], **{f"no {k}": [k] for k in present}, "all off": list(present)}
 
