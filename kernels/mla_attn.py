@@ -5,11 +5,6 @@ has `prefix_len[b]` cached positions, all visible, and T new tokens already writ
 cache positions prefix_len[b] .. prefix_len[b]+T-1; new token i sees new token j iff
 `visible[b, i, j]`. Scores use the 512 latent dims (query absorbed through wkv_b's key
 part) plus the 64 rope dims; the output stays in the latent space (before v/o).
-
-Triton: flash-decoding, split programs (query block x chunk of one stream's live KV) write
-fp32 partials, merge programs (query block x latent block x stream) combine them. With
-FUSE_COMBINE both are one launch (merge programs wait on per-stream flags, kernels.ticket),
-saving a dependent launch; FUSE_COMBINE = False gives the two-launch path.
 """
 from __future__ import annotations
 
@@ -46,7 +41,7 @@ def mla_attention_ref(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tens
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels import pdl, ticket  # noqa: E402
+from kernels import pdl  # noqa: E402
 
 LOG2E = 1.4426950408889634
 # at most this many chunks per stream (0: no cap): with min_chunk 32 a short decode cache is
@@ -55,9 +50,6 @@ LOG2E = 1.4426950408889634
 # results/h200/attn_probe.csv, H200)
 MAX_CHUNKS = 64
 MIN_CHUNK = 32    # default min_chunk of decode-size calls (num_splits not given)
-# split and merge in one launch (`_mla_split_merge_kernel`) instead of two; False: the
-# two-launch path (`_mla_split_kernel` + `_mla_combine_kernel`), kept for measurement
-FUSE_COMBINE = True
 
 
 @triton.jit
@@ -121,19 +113,31 @@ def _attend_tile(q_lo, q_hi, qr, ckv, kpe, sc_s, sk_s, n0, end, plen, m_i, l_2d,
 
 
 @triton.jit
-def _split_program(
-    mb, w, q_lat_ptr, q_rope_ptr, sq_b, sq_t, sq_h, sr_b, sr_t, sr_h, ckv_ptr, kpe_ptr, sc_b, sc_s, sk_b, sk_s,
-    plen_ptr, vis_ptr, sv_b, sv_t, o_part_ptr, m_part_ptr, l_part_ptr, out_ptr, so_b, so_t, so_h,
-    B, T, H, R, P, qk_scale,
+def _mla_split_kernel(
+    # queries [B, T, H, DL] and [B, T, H, DR] (last dim contiguous)
+    q_lat_ptr, q_rope_ptr, sq_b, sq_t, sq_h, sr_b, sr_t, sr_h,
+    # cache [B, S, DL] and [B, S, DR] (last dim contiguous)
+    ckv_ptr, kpe_ptr, sc_b, sc_s, sk_b, sk_s,
+    # per stream: prefix length [B]; visibility among the new tokens uint8 [B, T, T]
+    plen_ptr, vis_ptr, sv_b, sv_t,
+    # partials fp32 per work item: acc [W, R, DL], running max and sum [W, R]  (DIRECT: unused)
+    o_part_ptr, m_part_ptr, l_part_ptr,
+    # DIRECT: final output [B, T, H, DL]
+    out_ptr, so_b, so_t, so_h,
+    # sizes
+    B, T, H, R, P, qk_scale,           # R = T*H query rows; P = target number of work items
     DL: tl.constexpr, DR: tl.constexpr, BB: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Query block mb (BLOCK_M query rows, row = t*H + h) against work item w: one chunk
-    [start, end) of one stream's live KV, online softmax in base 2; writes the unnormalized
-    acc + (max, sum) of work item w for `_combine_program`. Work item w belongs to the stream
-    whose chunks (numbered stream after stream, `_work_split`) hold it; items past the last
-    chunk do nothing. DIRECT: work item = stream, whole live KV, normalized output. Returns
-    (stream, whether the item has work: only those write partials)."""
+    """Program (query block, work item): BLOCK_M query rows (row = t*H + h) against one
+    chunk [start, end) of one stream's live KV, online softmax in base 2; writes the
+    unnormalized acc + (max, sum) of work item w for `_mla_combine_kernel`. Work item w
+    belongs to the stream whose chunks (numbered stream after stream, `_work_split`) hold
+    it; items past the last chunk do nothing. DIRECT: work item = stream, whole live KV,
+    normalized output. PDL: launched as a dependent of the previous kernel (kernels.pdl)."""
+    pdl.enter(PDL)
+    mb, w = tl.program_id(0), tl.program_id(1)
     if DIRECT:
         b = w
         kv_len = tl.load(plen_ptr + b).to(tl.int32) + T
@@ -194,25 +198,26 @@ def _split_program(
         tl.store(o_part_ptr + part[:, None] * DL + half + dl[None, :], acc_hi, mask=live[:, None])
         tl.store(m_part_ptr + part, m_i, mask=live)
         tl.store(l_part_ptr + part, l_i, mask=live)
-    return b, start < end
 
 
 @triton.jit
-def _stream_items(plen_ptr, b, B, T, P, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                  MAX_CHUNKS: tl.constexpr):
-    """Stream b's first work item and number of work items (`_work_split`)."""
+def _mla_combine_kernel(
+    o_part_ptr, m_part_ptr, l_part_ptr,   # fp32 [W, R, DL], [W, R], [W, R]
+    plen_ptr,
+    out_ptr, so_b, so_t, so_h,            # [B, T, H, DL]
+    B, T, H, R, P,
+    DL: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (query block, latent block, stream): merge the stream's work items (the same
+    `_work_split` as the split kernel) in one online pass, BLOCK_S items per load (one
+    load for up to BLOCK_S chunks: no chain of small dependent loads)."""
+    mb, db, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lens, n_chunks, first, chunk = _work_split(plen_ptr, B, T, P, BB, BLOCK_N, MIN_CHUNK, MAX_CHUNKS)
     sb = tl.arange(0, BB)
-    return tl.sum(tl.where(sb == b, first, 0), axis=0).to(tl.int64), tl.sum(tl.where(sb == b, n_chunks, 0), axis=0)
-
-
-@triton.jit
-def _combine_program(mb, db, b, w0, n_split, o_part_ptr, m_part_ptr, l_part_ptr, out_ptr, so_b, so_t, so_h, H, R,
-                     DL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """(query block mb, latent block db) of stream b: merge its work items w0 .. w0 + n_split
-    in one online pass, BLOCK_S items per load (one load for up to BLOCK_S chunks: no chain
-    of small dependent loads). `.cg` loads (past L1): in the one-launch kernel the partials
-    are other programs' of the same launch (kernels.ticket)."""
+    w0 = tl.sum(tl.where(sb == b, first, 0), axis=0).to(tl.int64)
+    n_split = tl.sum(tl.where(sb == b, n_chunks, 0), axis=0)
+    pdl.enter(PDL)                                     # the split kernel's partials are written
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rok = rows < R
     t = rows // H
@@ -225,10 +230,9 @@ def _combine_program(mb, db, b, w0, n_split, o_part_ptr, m_part_ptr, l_part_ptr,
     for s0 in range(0, n_split, BLOCK_S):
         ok = ((s0 + sp) < n_split)[:, None] & rok[None, :]                                 # [BS, BM]
         part = (w0 + s0 + sp)[:, None] * R + rows[None, :]                                 # [BS, BM]
-        m = tl.load(m_part_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(l_part_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
-        o = tl.load(o_part_ptr + part[:, :, None] * DL + dl[None, None, :], mask=ok[:, :, None], other=0.0,
-                    cache_modifier=".cg")
+        m = tl.load(m_part_ptr + part, mask=ok, other=float("-inf"))
+        l = tl.load(l_part_ptr + part, mask=ok, other=0.0)
+        o = tl.load(o_part_ptr + part[:, :, None] * DL + dl[None, None, :], mask=ok[:, :, None], other=0.0)
         m_new = tl.maximum(m_all, tl.max(m, axis=0))                                       # [BM]
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_all - m_safe)
@@ -239,92 +243,6 @@ def _combine_program(mb, db, b, w0, n_split, o_part_ptr, m_part_ptr, l_part_ptr,
     o = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]         # l = 0 only on padding rows
     tl.store(out_ptr + b.to(tl.int64) * so_b + t[:, None] * so_t + h[:, None] * so_h + dl[None, :],
              o.to(out_ptr.dtype.element_ty), mask=rok[:, None])
-
-
-@triton.jit
-def _mla_split_kernel(
-    # queries [B, T, H, DL] and [B, T, H, DR] (last dim contiguous)
-    q_lat_ptr, q_rope_ptr, sq_b, sq_t, sq_h, sr_b, sr_t, sr_h,
-    # cache [B, S, DL] and [B, S, DR] (last dim contiguous)
-    ckv_ptr, kpe_ptr, sc_b, sc_s, sk_b, sk_s,
-    # per stream: prefix length [B]; visibility among the new tokens uint8 [B, T, T]
-    plen_ptr, vis_ptr, sv_b, sv_t,
-    # partials fp32 per work item: acc [W, R, DL], running max and sum [W, R]  (DIRECT: unused)
-    o_part_ptr, m_part_ptr, l_part_ptr,
-    # DIRECT: final output [B, T, H, DL]
-    out_ptr, so_b, so_t, so_h,
-    # sizes
-    B, T, H, R, P, qk_scale,           # R = T*H query rows; P = target number of work items
-    DL: tl.constexpr, DR: tl.constexpr, BB: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-):
-    """Program (query block, work item): `_split_program`; `_mla_combine_kernel` merges the
-    partials (unless DIRECT). PDL: launched as a dependent of the previous kernel (kernels.pdl)."""
-    pdl.enter(PDL)
-    _split_program(tl.program_id(0), tl.program_id(1), q_lat_ptr, q_rope_ptr, sq_b, sq_t, sq_h, sr_b, sr_t, sr_h,
-                   ckv_ptr, kpe_ptr, sc_b, sc_s, sk_b, sk_s, plen_ptr, vis_ptr, sv_b, sv_t, o_part_ptr, m_part_ptr,
-                   l_part_ptr, out_ptr, so_b, so_t, so_h, B, T, H, R, P, qk_scale, DL, DR, BB, MIN_CHUNK, MAX_CHUNKS,
-                   BLOCK_M, BLOCK_N, DIRECT, PREC)
-
-
-@triton.jit
-def _mla_combine_kernel(
-    o_part_ptr, m_part_ptr, l_part_ptr,   # fp32 [W, R, DL], [W, R], [W, R]
-    plen_ptr,
-    out_ptr, so_b, so_t, so_h,            # [B, T, H, DL]
-    B, T, H, R, P,
-    DL: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
-):
-    """Program (query block, latent block, stream): `_combine_program` over the stream's
-    work items (the same `_work_split` as the split kernel)."""
-    mb, db, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    w0, n_split = _stream_items(plen_ptr, b, B, T, P, BB, BLOCK_N, MIN_CHUNK, MAX_CHUNKS)
-    pdl.enter(PDL)                                     # the split kernel's partials are written
-    _combine_program(mb, db, b, w0, n_split, o_part_ptr, m_part_ptr, l_part_ptr, out_ptr, so_b, so_t, so_h, H, R,
-                     DL, BLOCK_M, BLOCK_D, BLOCK_S)
-
-
-@triton.jit
-def _mla_split_merge_kernel(
-    q_lat_ptr, q_rope_ptr, sq_b, sq_t, sq_h, sr_b, sr_t, sr_h,      # as _mla_split_kernel
-    ckv_ptr, kpe_ptr, sc_b, sc_s, sk_b, sk_s,
-    plen_ptr, vis_ptr, sv_b, sv_t,
-    o_part_ptr, m_part_ptr, l_part_ptr,
-    out_ptr, so_b, so_t, so_h,
-    B, T, H, R, P, qk_scale,
-    ready_ptr, done_ptr,               # per stream: flag (split programs done), merge programs done [B]
-    W, N_MB, N_CB, N_DB,               # work items; query blocks of the split; query and latent blocks of the merge
-    DL: tl.constexpr, DR: tl.constexpr, BB: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    MERGE_M: tl.constexpr, MERGE_D: tl.constexpr, MERGE_S: tl.constexpr, PDL: tl.constexpr,
-):
-    """Split and merge in one launch (1-D grid; kernels.ticket flags): programs below
-    N_MB * W are `_mla_split_kernel`'s (query block, work item), and each with work signals
-    its stream's flag after storing its partials; the rest are `_mla_combine_kernel`'s
-    (query block, latent block, stream), stream slowest, and each waits until all N_MB
-    query blocks of all its stream's work items have signalled, then merges. Producers have
-    the lower ids, so the spin cannot deadlock. Saves the merge's launch (2-3 us in decode)."""
-    pdl.enter(PDL)
-    pid = tl.program_id(0)
-    if pid < N_MB * W:
-        stream, has_work = _split_program(
-            pid % N_MB, pid // N_MB, q_lat_ptr, q_rope_ptr, sq_b, sq_t, sq_h, sr_b, sr_t, sr_h, ckv_ptr, kpe_ptr,
-            sc_b, sc_s, sk_b, sk_s, plen_ptr, vis_ptr, sv_b, sv_t, o_part_ptr, m_part_ptr, l_part_ptr, out_ptr,
-            so_b, so_t, so_h, B, T, H, R, P, qk_scale, DL, DR, BB, MIN_CHUNK, MAX_CHUNKS, BLOCK_M, BLOCK_N, False,
-            PREC)
-        if has_work:
-            ticket.signal(ready_ptr + stream)
-    else:
-        j = pid - N_MB * W
-        per_b = N_CB * N_DB
-        b = j // per_b
-        w0, n_split = _stream_items(plen_ptr, b, B, T, P, BB, BLOCK_N, MIN_CHUNK, MAX_CHUNKS)
-        ticket.wait_for(ready_ptr + b, n_split * N_MB)
-        _combine_program(j % N_CB, (j % per_b) // N_CB, b, w0, n_split, o_part_ptr, m_part_ptr, l_part_ptr,
-                         out_ptr, so_b, so_t, so_h, H, R, DL, MERGE_M, MERGE_D, MERGE_S)
-        ticket.release(ready_ptr + b, done_ptr + b, per_b)
 
 
 def _n_sm(device: torch.device) -> int:
@@ -354,12 +272,9 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     into chunks of one size (at least `min_chunk` positions, default 32, and long enough that
     no stream has more than `MAX_CHUNKS`) so that they fill
     at most those items; streams of different lengths get different numbers of chunks,
-    surplus items exit at once, and merge programs combine each stream's chunks
-    (`merge_tile` = (latent columns, chunks per load, warps) of its programs). With
-    `FUSE_COMBINE` (default) the merge programs follow the split programs in the same
-    launch and each waits for its stream's split programs (a flag per stream; their warps
-    are then the split's); `FUSE_COMBINE = False`: a second kernel merges. Launched with
-    programmatic dependent launch where `kernels.pdl.on` (`use_pdl` overrides).
+    surplus items exit at once, and a second kernel merges each stream's chunks
+    (`merge_tile` = (latent columns, chunks per load, warps) of its programs). Both launch
+    with programmatic dependent launch where `kernels.pdl.on` (`use_pdl` overrides).
     `num_splits` = n sets P = n x B instead (n = 1: one program per stream, no merge).
     L and R must be powers of two (512 and 64 on K2.6). The keyword knobs override the
     heuristics (tuned on the H200: `docs/notes/tree.md`).
@@ -405,34 +320,25 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     prec = "ieee" if q_lat.dtype == torch.float32 else "tf32"
     on = pdl.on(q_lat) if use_pdl is None else 2 * bool(use_pdl)
     plen = prefix_len if prefix_len.device == dev else prefix_len.to(dev)
-    split_args = (q_lat, q_rope, q_lat.stride(0), q_lat.stride(1), q_lat.stride(2),
-                  q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
-                  ckv, kpe, ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1),
-                  plen, vis, vis.stride(0), vis.stride(1),
-                  o_part, m_part, l_part,
-                  out, out.stride(0), out.stride(1), out.stride(2),
-                  b, t, h, rows, n_work, scale * LOG2E)
-    meta = dict(DL=dl, BB=triton.next_power_of_2(b), BLOCK_N=block_n, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS)
-    split_meta = dict(DR=dr, BLOCK_M=block_m, PREC=prec, num_stages=num_stages)
-    if direct:
-        _mla_split_kernel[(n_mb, n_prog)](*split_args, **meta, **split_meta, DIRECT=True, num_warps=num_warps,
-                                          **pdl.args(on))
-        return out
-    # merge programs: [BLOCK_S, BM, BD] fp32 partials per load, 8192 values; decode (<= 16 rows): 2 warps
-    # (1.0 us less than 4 at 10 x 8k on the H200: less of the sum over chunks crosses warps)
-    bm, bd = min(16, triton.next_power_of_2(rows)), min(32, dl)
-    bs = max(2, min(32, 8192 // (bm * bd)))
-    bd, bs, merge_warps = merge_tile or (bd, bs, 2 if small else 4)
-    n_cb, n_db = triton.cdiv(rows, bm), dl // bd
-    if FUSE_COMBINE and b <= ticket.MAX_COUNTERS:
-        _mla_split_merge_kernel[(n_mb * n_prog + n_cb * n_db * b,)](
-            *split_args, ticket.counters(dev, "mla_ready", b), ticket.counters(dev, "mla_done", b),
-            n_prog, n_mb, n_cb, n_db, **meta, **split_meta, MERGE_M=bm, MERGE_D=bd, MERGE_S=bs,
-            num_warps=num_warps, **pdl.args(on))
-        return out
-    _mla_split_kernel[(n_mb, n_prog)](*split_args, **meta, **split_meta, DIRECT=False, num_warps=num_warps,
-                                      **pdl.args(on))
-    _mla_combine_kernel[(n_cb, n_db, b)](
-        o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2), b, t, h, rows, n_work,
-        **meta, BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, num_warps=merge_warps, **pdl.args(on))
+    bb = triton.next_power_of_2(b)
+    _mla_split_kernel[(n_mb, n_prog)](
+        q_lat, q_rope, q_lat.stride(0), q_lat.stride(1), q_lat.stride(2),
+        q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
+        ckv, kpe, ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1),
+        plen, vis, vis.stride(0), vis.stride(1),
+        o_part, m_part, l_part,
+        out, out.stride(0), out.stride(1), out.stride(2),
+        b, t, h, rows, n_work, scale * LOG2E,
+        DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
+        PREC=prec, num_warps=num_warps, num_stages=num_stages, **pdl.args(on))
+    if not direct:
+        # [BLOCK_S, BM, BD] fp32 partials per load, 8192 values; decode (<= 16 rows): 2 warps
+        # (1.0 us less than 4 at 10 x 8k on the H200: less of the sum over chunks crosses warps)
+        bm, bd = min(16, triton.next_power_of_2(rows)), min(32, dl)
+        bs = max(2, min(32, 8192 // (bm * bd)))
+        bd, bs, merge_warps = merge_tile or (bd, bs, 2 if small else 4)
+        _mla_combine_kernel[(triton.cdiv(rows, bm), dl // bd, b)](
+            o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
+            b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS,
+            BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, num_warps=merge_warps, **pdl.args(on))
     return out

@@ -23,9 +23,6 @@ per assignment); sum over k and cast. `block_m == 1`: a row block is one assignm
 and (FUSE_ACT) the SiLU launch is folded into w13: the last of an assignment's programs to
 finish (kernels.ticket) computes that assignment's act row. `block_m > 1`: assignments sorted
 by expert (`moe_triton.align_tokens`), so an expert's words are read once for its rows.
-With block_m 1 and FUSE_W2, w2 joins w13's launch (`_moe_kernel`): its programs load their
-words first and wait on a per-assignment flag for the act row (kernels.ticket), so w2's
-weights stream while w13 runs and no launch separates the two.
 """
 from __future__ import annotations
 
@@ -39,10 +36,6 @@ from kernels.moe_triton import _block_rows, _scale_col, align_tokens
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
 FUSE_ACT = True  # block_m 1: SiLU(gate) * up * weight in w13's last program per assignment (read at each call)
 ACT_BLOCK = 512  # act columns per step of that program's loop over I
-FUSE_W2 = True   # block_m 1 with FUSE_ACT: w2 in the same launch as w13 (`_moe_kernel`; read at each call)
-# w2 words one program of that launch holds (all its K): 8 steps x 256 columns at K2.6 TP-8,
-# 64 registers a thread at 4 warps (168 in all for sm_90 with Triton 3.9; 128 columns took 252)
-W2_WORDS = 8192
 
 
 @triton.jit
@@ -53,25 +46,24 @@ def _nib(w, MASK: tl.constexpr, BIAS: tl.constexpr):
 
 @triton.jit
 def _word_dot(w, v0, v1, v2, v3, v4, v5, v6, v7):
-    """Words `[1, 8, C]` times activations -> (lo, hi) `[BM, 8, C]` (or words `[S*8, C]` of S
-    K steps times `[S*8, 1]` -> `[S*8, C]`).
+    """Words `[8, C]` times activations -> (lo, hi) `[BM, 8, C]`.
 
-    v_i `[BM, 8, 1]` is row r's activation for nibble i, premultiplied by 16^-i' where 16^i'
+    v_i `[BM, 8]` is row r's activation for nibble i, premultiplied by 16^-i' where 16^i'
     is the factor nibble i comes out with (`permute_rows`); lo is column g of each word's
     pair, hi column g + 8 (still to be summed over the 8 rows).
     """
     M: tl.constexpr = 8388608.0                               # 2^23
     hi_w = w >> 20                                            # nibbles 5..7 at bits 0..11
-    f0 = _nib(w, 0xF, M + 8.0)                                # (2t,   g)     x 1
-    f1 = _nib(w, 0xF0, M + 128.0)                             # (2t+8, g)     x 16
-    f2 = _nib(w, 0xF00, M + 2048.0)                           # (2t,   g+8)   x 256
-    f3 = _nib(w, 0xF000, M + 32768.0)                         # (2t+8, g+8)   x 4096
-    f4 = _nib(w, 0xF0000, M + 524288.0)                       # (2t+1, g)     x 65536
-    f5 = _nib(hi_w, 0xF, M + 8.0)                             # (2t+9, g)     x 1
-    f6 = _nib(hi_w, 0xF0, M + 128.0)                          # (2t+1, g+8)   x 16
-    f7 = _nib(hi_w, 0xF00, M + 2048.0)                        # (2t+9, g+8)   x 256
-    lo = v0 * f0 + v1 * f1 + v4 * f4 + v5 * f5
-    hi = v2 * f2 + v3 * f3 + v6 * f6 + v7 * f7
+    f0 = _nib(w, 0xF, M + 8.0)[None, :, :]                    # (2t,   g)     x 1
+    f1 = _nib(w, 0xF0, M + 128.0)[None, :, :]                 # (2t+8, g)     x 16
+    f2 = _nib(w, 0xF00, M + 2048.0)[None, :, :]               # (2t,   g+8)   x 256
+    f3 = _nib(w, 0xF000, M + 32768.0)[None, :, :]             # (2t+8, g+8)   x 4096
+    f4 = _nib(w, 0xF0000, M + 524288.0)[None, :, :]           # (2t+1, g)     x 65536
+    f5 = _nib(hi_w, 0xF, M + 8.0)[None, :, :]                 # (2t+9, g)     x 1
+    f6 = _nib(hi_w, 0xF0, M + 128.0)[None, :, :]              # (2t+1, g+8)   x 16
+    f7 = _nib(hi_w, 0xF00, M + 2048.0)[None, :, :]            # (2t+9, g+8)   x 256
+    lo = v0[:, :, None] * f0 + v1[:, :, None] * f1 + v4[:, :, None] * f4 + v5[:, :, None] * f5
+    hi = v2[:, :, None] * f2 + v3[:, :, None] * f3 + v6[:, :, None] * f6 + v7[:, :, None] * f7
     return lo, hi
 
 
@@ -114,8 +106,7 @@ def _step(acc_lo, acc_hi, a_ptrs, a_mask, w_e, s_e, ks, wrow, wcol, sc_pair, n_l
     v7 = tl.load(a + 56, mask=a_mask, other=0.0)
     w = tl.load(w_e + (2 * ks) * stride_wk + wrow[:, None] + wcol[None, :])      # [8, C] int32
     s_lo, s_hi = _scales(s_e + (32 * ks // GROUP) * stride_sg, sc_pair, PER_CHANNEL, n_lo)
-    lo, hi = _word_dot(w[None, :, :], v0[:, :, None], v1[:, :, None], v2[:, :, None], v3[:, :, None],
-                       v4[:, :, None], v5[:, :, None], v6[:, :, None], v7[:, :, None])
+    lo, hi = _word_dot(w, v0, v1, v2, v3, v4, v5, v6, v7)
     return acc_lo + lo * s_lo, acc_hi + hi * s_hi
 
 
@@ -142,8 +133,8 @@ def _gemv_kernel(
     (expert from topk_ids), else BM sorted assignments of one expert; assignment a reads
     activation row a // A_DIV (A_DIV = k for x, 1 for the per-assignment act).
     ACT (w13, BM == 1): the last of assignment a's programs (column tiles x K splits) to store
-    its partials then writes a's act row (`_act_if_last`). PDL: launched as a dependent of
-    the previous kernel (kernels.pdl)."""
+    its partials then writes a's act row, as `_permute_kernel` GATED would (SP: splits, next
+    power of two). PDL: launched as a dependent of the previous kernel (kernels.pdl)."""
     pdl.enter(PDL)
     if BM == 1:
         a = tl.program_id(0)
@@ -154,21 +145,7 @@ def _gemv_kernel(
         e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM)
         if e < 0:
             return
-    _gemv_program(a_ptr, w_ptr, s_ptr, out_ptr, e, assign, valid, tl.program_id(1), tl.program_id(2),
-                  stride_a, stride_we, stride_wk, stride_se, stride_sg, stride_os, stride_oa,
-                  A_DIV, GROUP, STEPS_PER_SPLIT, K_STEPS, BM, BN, PER_CHANNEL, NUM_STAGES)
-    if ACT:
-        _act_if_last(out_ptr, act_ptr, topk_w_ptr, count_ptr, tl.program_id(0), tl.num_programs(1),
-                     tl.num_programs(2), stride_os, stride_oa, stride_act, BN, ACT_BLOCK, SP)
-
-
-@triton.jit
-def _gemv_program(a_ptr, w_ptr, s_ptr, out_ptr, e, assign, valid, pid_n, pid_k,
-                  stride_a, stride_we, stride_wk, stride_se, stride_sg, stride_os, stride_oa,
-                  A_DIV, GROUP, STEPS_PER_SPLIT, K_STEPS, BM: tl.constexpr, BN: tl.constexpr,
-                  PER_CHANNEL: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Expert e's columns pid_n*BN.. over K split pid_k for assignments `assign` `[BM]`:
-    fp32 partial sums into out's slice pid_k."""
+    pid_n, pid_k = tl.program_id(1), tl.program_id(2)
     r = tl.arange(0, 8)
     wrow = (r // 4) * stride_wk + (r % 4) * 4                       # word row (kt, t)
     wcol, n_lo = _tile(pid_n * BN, BN)
@@ -184,107 +161,13 @@ def _gemv_program(a_ptr, w_ptr, s_ptr, out_ptr, e, assign, valid, pid_n, pid_k,
                                n_lo, stride_wk, stride_sg, GROUP, PER_CHANNEL)
     out = out_ptr + pid_k.to(tl.int64) * stride_os + assign.to(tl.int64)[:, None] * stride_oa
     _store_cols(out, acc_lo, acc_hi, n_lo, valid)
-
-
-@triton.jit
-def _act_if_last(out_ptr, act_ptr, topk_w_ptr, count_ptr, a, n_cols, n_splits, stride_os, stride_oa, stride_act,
-                 BN: tl.constexpr, ACT_BLOCK: tl.constexpr, SP: tl.constexpr):
-    """Call after storing w13 partials of assignment a (n_cols column tiles x n_splits K
-    splits per assignment): the last of its programs (kernels.ticket) writes a's act row,
-    as `_permute_kernel` GATED would (SP: n_splits' next power of two). True there."""
-    last = ticket.last_to_arrive(count_ptr + a, n_cols * n_splits)
-    if last:
-        half = n_cols * (BN // 2)                                      # I
-        for k0 in range(0, half, ACT_BLOCK):
-            _act_cols(out_ptr + a.to(tl.int64) * stride_oa, stride_os, act_ptr + a.to(tl.int64) * stride_act,
-                      topk_w_ptr + a, k0 + tl.arange(0, ACT_BLOCK), half, n_splits, SP)
-    return last
-
-
-@triton.jit
-def _moe_kernel(
-    x_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ids_ptr,   # x permuted fp32 [T, 2H]; words, scales of w13 and w2
-    part_ptr, act_ptr, y_ptr,             # w13 partials fp32 [S, T*k, 2I]; act fp32 [T*k, 2I]; out fp32 [T*k, H]
-    topk_w_ptr, count_ptr, ready_ptr, done_ptr,   # fp32 [T*k]; tickets, flags, flag counters [T*k]
-    stride_x, stride_we13, stride_wk13, stride_se13, stride_sg13,
-    stride_we2, stride_wk2, stride_se2, stride_sg2,
-    stride_ps, stride_pa, stride_act, stride_y,
-    TOP_K, GROUP, STEPS_PER_SPLIT, K_STEPS, N_ASSIGN, C13, SPLITS, C2, K2_STEPS,
-    BN13: tl.constexpr, BN2: tl.constexpr, W2P: tl.constexpr, PER_CHANNEL13: tl.constexpr,
-    PER_CHANNEL2: tl.constexpr, NUM_STAGES: tl.constexpr, ACT_BLOCK: tl.constexpr, SP: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """w13 + act and w2 in one launch (1-D grid, block_m 1). Programs below
-    N_ASSIGN * C13 * SPLITS are `_gemv_kernel`'s w13 programs with ACT; the last of an
-    assignment's programs writes its act row and signals its flag (kernels.ticket). The
-    other programs are w2's (assignment, column tile): each loads all of its words and scales
-    first (`_w2_tile`; the expert is known from topk_ids, so w2's weights stream from DRAM
-    while w13 still runs), then waits for its assignment's flag, and finishes with the act
-    row from L2: w2 costs the time after w13 ends of a short L2 read and FMAs, not a launch
-    and a DRAM round trip."""
-    pdl.enter(PDL)
-    pid = tl.program_id(0)
-    per_a = C13 * SPLITS
-    if pid < N_ASSIGN * per_a:
-        a = pid // per_a
-        e = tl.load(ids_ptr + a)
-        assign = a + tl.zeros([1], tl.int32)
-        _gemv_program(x_ptr, w13_ptr, s13_ptr, part_ptr, e, assign, assign >= 0, (pid % per_a) // SPLITS,
-                      pid % SPLITS, stride_x, stride_we13, stride_wk13, stride_se13, stride_sg13, stride_ps,
-                      stride_pa, TOP_K, GROUP, STEPS_PER_SPLIT, K_STEPS, 1, BN13, PER_CHANNEL13, NUM_STAGES)
-        if _act_if_last(part_ptr, act_ptr, topk_w_ptr, count_ptr, a, C13, SPLITS, stride_ps, stride_pa,
-                        stride_act, BN13, ACT_BLOCK, SP):
-            ticket.signal(ready_ptr + a)
-    else:
-        j = pid - N_ASSIGN * per_a
-        a = j // C2
-        e = tl.load(ids_ptr + a)
-        _w2_tile(w2_ptr, s2_ptr, act_ptr + a.to(tl.int64) * stride_act, y_ptr + a.to(tl.int64) * stride_y, e,
-                 j % C2, ready_ptr + a, stride_we2, stride_wk2, stride_se2, stride_sg2, GROUP, K2_STEPS,
-                 BN2, W2P, PER_CHANNEL2)
-        ticket.release(ready_ptr + a, done_ptr + a, C2)
-
-
-@triton.jit
-def _w2_tile(w_ptr, s_ptr, act_row, y_row, e, pid_n, flag_ptr, stride_we, stride_wk, stride_se, stride_sg,
-             GROUP, K_STEPS, BN: tl.constexpr, KP: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """Expert e's columns pid_n*BN.. of w2 over all K_STEPS (<= KP, a power of two) steps
-    for one assignment: words `[KP*8, BN/2]` (row = step, word row) and scales loaded first,
-    then (`wait_for` flag) its act row, in GEMV order, read past L1; the row's fp32 columns
-    stored at y_row."""
-    rr = tl.arange(0, KP * 8)
-    ks, r = rr // 8, rr % 8
-    kok = ks < K_STEPS
-    wcol, n_lo = _tile(pid_n * BN, BN)
-    sc_pair = (wcol // 128) * 32 + (wcol % 128) // 16 * 4 + wcol % 4
-    w_row = (2 * ks + r // 4) * stride_wk + (r % 4) * 4                                # [KP*8]
-    w = tl.load(w_ptr + e.to(tl.int64) * stride_we + w_row[:, None] + wcol[None, :], mask=kok[:, None],
-                other=0)                                                                # [KP*8, C]
-    sk = tl.arange(0, KP)
-    s_rows = s_ptr + e.to(tl.int64) * stride_se + (32 * sk // GROUP)[:, None] * stride_sg  # [KP, 1]
-    sok = (sk < K_STEPS)[:, None]
-    if PER_CHANNEL:
-        s_lo = tl.load(s_rows + _scale_col(n_lo, True)[None, :], mask=sok, other=0.0).to(tl.float32)
-        s_hi = tl.load(s_rows + _scale_col(n_lo + 8, True)[None, :], mask=sok, other=0.0).to(tl.float32)
-    else:
-        pair = tl.load(s_rows.to(tl.pointer_type(tl.int32), bitcast=True) + sc_pair[None, :], mask=sok,
-                       other=0)                                                         # [KP, C]
-        s_lo = (pair << 16).to(tl.float32, bitcast=True)
-        s_hi = (pair & -65536).to(tl.float32, bitcast=True)
-    ticket.wait_for(flag_ptr, 1)
-    v = act_row + ks * 64 + r                                                          # [KP*8]: nibble 0
-    lo, hi = _word_dot(w, _act_l2(v, kok), _act_l2(v + 8, kok), _act_l2(v + 16, kok), _act_l2(v + 24, kok),
-                       _act_l2(v + 32, kok), _act_l2(v + 40, kok), _act_l2(v + 48, kok), _act_l2(v + 56, kok))
-    lo = tl.sum(tl.reshape(lo, (KP, 8, BN // 2)), 1)                                   # [KP, C]
-    hi = tl.sum(tl.reshape(hi, (KP, 8, BN // 2)), 1)
-    tl.store(y_row + n_lo, tl.sum(lo * s_lo, 0))
-    tl.store(y_row + n_lo + 8, tl.sum(hi * s_hi, 0))
-
-
-@triton.jit
-def _act_l2(ptrs, mask):
-    """Act values `[KP*8]` another program wrote (past L1), as `[KP*8, 1]`."""
-    return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")[:, None]
+    if ACT:
+        a = tl.program_id(0)
+        if ticket.last_to_arrive(count_ptr + a, tl.num_programs(1) * tl.num_programs(2)):
+            half = tl.num_programs(1) * (BN // 2)                     # I
+            for k0 in range(0, half, ACT_BLOCK):
+                _act_cols(out_ptr + a.to(tl.int64) * stride_oa, stride_os, act_ptr + a.to(tl.int64) * stride_act,
+                          topk_w_ptr + a, k0 + tl.arange(0, ACT_BLOCK), half, tl.num_programs(2), SP)
 
 
 @triton.jit
@@ -437,61 +320,17 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     `[T*k, 2I]`, else its partials `[S, T*k, 2I]`), w2, sum over k -> `[T, H]` in dtype;
     without sum_k the weighted rows fp32 `[T*k, H]` (row t*k + j: slot j of token t)."""
     t, k = topk_ids.shape
+    h = w.hidden
     ids = topk_ids.reshape(-1).to(torch.int32)
     act = mid if mid.dim() == 2 else permute_rows(mid, _flat_weights(topk_weights), mid.shape[0])   # [T*k, 2I]
     y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
-    return _sum_k(y[0], k, dtype) if sum_k else y[0]
-
-
-def _sum_k(y: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 `[T*k, H]` -> the sum of each token's k rows `[T, H]` in dtype."""
-    h = y.shape[1]
-    t = y.shape[0] // k
-    out = torch.empty(t, h, dtype=dtype, device=y.device)
+    if not sum_k:
+        return y[0]
+    out = torch.empty(t, h, dtype=dtype, device=mid.device)
     block = min(1024, triton.next_power_of_2(h))
     _sum_k_kernel[(t, triton.cdiv(h, block))](y, out, h, TOP_K=k, KP=triton.next_power_of_2(k), BLOCK=block,
                                                num_warps=4, **pdl.args(pdl.on(y)))
     return out
-
-
-def one_launch_bn2(w, cfg) -> int:
-    """w2's column tile in `moe_one_launch`: cfg.block_n2, halved (down to 64) until a
-    program's words (all of K = I) fit W2_WORDS; 0 if they never do (then two launches)."""
-    kp = triton.next_power_of_2(w.inter // STEP)
-    bn = cfg.block_n2
-    while bn >= 64 and (kp * 4 * bn > W2_WORDS or w.hidden % bn):
-        bn //= 2
-    return bn if bn >= 64 else 0
-
-
-def moe_one_launch(x_perm: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg,
-                   split: int, bn2: int) -> torch.Tensor:
-    """w13, act and w2 of block_m 1 in one launch (`_moe_kernel`): x permuted `[T, 2H]` ->
-    the k weighted rows per token fp32 `[T*k, H]`, as `gemv_w2(gemv_w13(..), sum_k=False)`."""
-    t, k = topk_ids.shape
-    n_assign, h, n13 = t * k, w.hidden, 2 * w.inter
-    k_steps = h // STEP
-    per_split = triton.cdiv(k_steps, split)
-    split = triton.cdiv(k_steps, per_split)
-    dev = x_perm.device
-    part = torch.empty(split, n_assign, n13, dtype=torch.float32, device=dev)
-    act = torch.empty(n_assign, n13, dtype=torch.float32, device=dev)       # [T*k, 2I]: GEMV order, K = I
-    y = torch.empty(n_assign, h, dtype=torch.float32, device=dev)
-    c13, c2 = n13 // cfg.block_n13, h // bn2
-    ids = topk_ids.reshape(-1).to(torch.int32)
-    _moe_kernel[(n_assign * (c13 * split + c2),)](
-        x_perm, w.w13, w.w13_scale, w.w2, w.w2_scale, ids, part, act, y, _flat_weights(topk_weights),
-        ticket.counters(dev, "moe_act", n_assign), ticket.counters(dev, "moe_ready", n_assign),
-        ticket.counters(dev, "moe_done", n_assign),
-        x_perm.stride(0), w.w13.stride(0), w.w13.stride(1), w.w13_scale.stride(0), w.w13_scale.stride(1),
-        w.w2.stride(0), w.w2.stride(1), w.w2_scale.stride(0), w.w2_scale.stride(1),
-        part.stride(0), part.stride(1), act.stride(0), y.stride(0),
-        k, w.group_size, per_split, k_steps, n_assign, c13, split, c2, w.inter // STEP,
-        BN13=cfg.block_n13, BN2=bn2, W2P=triton.next_power_of_2(w.inter // STEP), PER_CHANNEL13=h == w.group_size,
-        PER_CHANNEL2=w.inter == w.group_size, NUM_STAGES=cfg.num_stages,
-        ACT_BLOCK=min(ACT_BLOCK, triton.next_power_of_2(w.inter)), SP=triton.next_power_of_2(split),
-        num_warps=cfg.num_warps, **pdl.args(pdl.on(x_perm)))
-    return y
 
 
 def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg,
@@ -501,15 +340,9 @@ def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     sum_k False: the k weighted rows per token, fp32 `[T*k, H]`, for the caller to sum.
 
     cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting, act fused into w13
-    when FUSE_ACT, and w2 in the same launch when FUSE_W2 and `one_launch_bn2` allows),
-    block_n13, block_n2 (multiples of 64), split_k (0: `gemv_splits`), num_warps, num_stages.
+    when FUSE_ACT), block_n13, block_n2 (multiples of 64), split_k (0: `gemv_splits`),
+    num_warps, num_stages.
     """
     routing = gemv_routing(topk_ids, w, cfg)
-    t, k = topk_ids.shape
-    bn2 = one_launch_bn2(w, cfg)
-    if routing is None and FUSE_ACT and FUSE_W2 and bn2 and t * k <= ticket.MAX_COUNTERS:
-        split = cfg.split_k or gemv_splits(t * k, 2 * w.inter // cfg.block_n13, w.hidden // STEP, n_sms)
-        y = moe_one_launch(permute_rows(x) if x_perm is None else x_perm, topk_ids, topk_weights, w, cfg, split, bn2)
-        return _sum_k(y, k, x.dtype) if sum_k else y
     mid = gemv_w13(x, topk_ids, routing, w, cfg, n_sms, x_perm, topk_weights)
     return gemv_w2(mid, topk_ids, topk_weights, routing, w, cfg, x.dtype, sum_k=sum_k)

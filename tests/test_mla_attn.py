@@ -1,7 +1,6 @@
 """Triton MLA attention against `mla_attention_ref`: tree verify, decode and prefill masks,
-different prefix lengths per stream, with and without split-K, split and merge in one launch
-or two (FUSE_COMBINE). Small latent/rope dims under the CPU interpreter; K2.6 dims (512 + 64)
-and bf16 on the GPU."""
+different prefix lengths per stream, with and without split-K. Small latent/rope dims under
+the CPU interpreter; K2.6 dims (512 + 64) and bf16 on the GPU."""
 import pytest
 import torch
 
@@ -122,85 +121,6 @@ def test_chunk_cap_per_stream(monkeypatch, cap):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-FUSE_CASES = [  # streams, new tokens, heads, cache len S, prefix per stream, knobs
-    (1, 1, 8, 200, [150], dict(min_chunk=16)),                         # decode, one stream, 5 chunks
-    (3, 1, 4, 300, [5, 250, 60], dict(min_chunk=16)),                  # decode, chunks per stream 1 / 6 / 2
-    (2, 5, 2, 128, [40, 0], {}),                                       # tree (visibility mask), no prefix
-    (2, 3, 8, 100, [30, 70], dict(block_m=16, min_chunk=16)),          # 24 rows: 2 query blocks, 2 / 3 chunks
-    (3, 2, 2, 400, [300, 10, 90], dict(merge_tile=(16, 2, 2))),        # 5 / 1 / 2 chunks, 2 per merge load
-]
-
-
-@pytest.mark.parametrize("case", FUSE_CASES, ids=[f"b{c[0]}t{c[1]}h{c[2]}-{i}" for i, c in enumerate(FUSE_CASES)])
-def test_one_launch_equals_two_and_reference(monkeypatch, case):
-    """FUSE_COMBINE: split and merge programs in one launch (merge programs wait on their
-    stream's flag) give the reference and exactly the two-launch result; no other kernel runs."""
-    import kernels.mla_attn as ma
-
-    b, t, h, s_len, plens, kw = case
-    gen = torch.Generator().manual_seed(s_len + 7 * b + t)
-    q_lat, q_rope, ckv, kpe, plen = make(b, t, h, s_len, plens, 32, 8, torch.float32, gen)
-    vis = tree_visible(b, t, gen)
-    ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, 0.15)
-    monkeypatch.setattr(ma, "FUSE_COMBINE", False)
-    two = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.15, block_n=16, **kw)
-    monkeypatch.setattr(ma, "FUSE_COMBINE", True)
-    monkeypatch.setattr(ma, "_mla_split_kernel", None)
-    monkeypatch.setattr(ma, "_mla_combine_kernel", None)
-    one = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.15, block_n=16, **kw)
-    torch.testing.assert_close(one, ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(one, two)
-
-
-def test_one_launch_leaves_flags_zero(monkeypatch):
-    """After each fused call every flag and flag counter is zero again, so repeated calls
-    (graph replays) with other prefix lengths start from zero and stay correct."""
-    import kernels.mla_attn as ma
-    from kernels import ticket
-
-    monkeypatch.setattr(ma, "FUSE_COMBINE", True)
-    gen = torch.Generator().manual_seed(23)
-    q_lat, q_rope, ckv, kpe, plen = make(3, 1, 4, 200, [60, 120, 3], 32, 8, torch.float32, gen)
-    vis = torch.ones(3, 1, 1, dtype=torch.bool)
-    for plens in ([60, 120, 3], [150, 0, 40]):
-        plen.copy_(torch.tensor(plens))
-        ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, 0.15)
-        out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.15, block_n=16, min_chunk=16)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        for key in ("mla_ready", "mla_done"):
-            assert not ticket.counters(q_lat.device, key, ticket.MAX_COUNTERS).any(), key
-
-
-@pytest.mark.parametrize("case,signals", [(FUSE_CASES[1], [1, 6, 2]), (FUSE_CASES[3], [4, 6])], ids=["decode", "n_mb2"])
-def test_one_launch_signals_per_stream(monkeypatch, case, signals):
-    """The split programs alone (the launch cut before the merge programs) leave each stream's
-    flag at its chunks x query blocks, the count its merge programs wait for: surplus items
-    do not signal (a wrong count would hang a merge program or let it read too early)."""
-    import kernels.mla_attn as ma
-    from kernels import ticket
-
-    kernel = ma._mla_split_merge_kernel
-
-    class SplitOnly:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                n_prog, n_mb = args[-4], args[-3]
-                kernel[(n_mb * n_prog,)](*args, **kw)
-            return launch
-
-    b, t, h, s_len, plens, kw = case
-    gen = torch.Generator().manual_seed(3)
-    q_lat, q_rope, ckv, kpe, plen = make(b, t, h, s_len, plens, 32, 8, torch.float32, gen)
-    monkeypatch.setattr(ma, "FUSE_COMBINE", True)
-    monkeypatch.setattr(ma, "_mla_split_merge_kernel", SplitOnly())
-    ready = ticket.counters(q_lat.device, "mla_ready", ticket.MAX_COUNTERS)
-    try:
-        mla_attention(q_lat, q_rope, ckv, kpe, plen, tree_visible(b, t, gen), 0.15, block_n=16, **kw)
-        assert ready[:b].tolist() == signals and not ready[b:].any()
-    finally:
-        ready.zero_()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp16: interpreter tests
 @pytest.mark.parametrize("t,h", [(1, 8), (17, 8), (65, 8), (1, 64), (33, 64)])
@@ -258,33 +178,3 @@ def test_gpu_pdl_on_and_off_equal_reference(use_pdl):
     g.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b", [1, 10])
-def test_gpu_one_launch_graph_replay(monkeypatch, b):
-    """FUSE_COMBINE at K2.6 decode dims (8 heads, 512 + 64, T = 1) captured once in a CUDA
-    graph and replayed with other prefix lengths: per-stream flags are reset by each launch
-    (the flag buffers stay zero) and every replay equals the reference."""
-    import kernels.mla_attn as ma
-    from kernels import ticket
-
-    monkeypatch.setattr(ma, "FUSE_COMBINE", True)
-    gen = torch.Generator().manual_seed(31 + b)
-    t, h, s_len = 1, 8, 4096 + 64
-    q_lat, q_rope, ckv, kpe, plen = make(b, t, h, s_len, [150] * b, 512, 64, torch.bfloat16, gen, "cuda")
-    vis = torch.ones(b, t, t, dtype=torch.bool, device="cuda")
-    scale = 192 ** -0.5
-    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale)       # compile outside capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale)
-    for plens in ([150] * b, torch.randint(100, 200, (b,), generator=gen).tolist(),
-                  torch.randint(1, 4000, (b,), generator=gen).tolist()):
-        plen.copy_(torch.tensor(plens))
-        out.zero_()
-        g.replay()
-        ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, scale)
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-        for key in ("mla_ready", "mla_done"):
-            assert not ticket.counters(q_lat.device, key, ticket.MAX_COUNTERS).any(), key

@@ -108,10 +108,9 @@ def test_fused_moe_gemv_options_x_perm_and_rows(seed):
 
 
 def _counters_zero(x: torch.Tensor) -> bool:
-    """Whether the MoE ticket counters and flags of x's device are all zero."""
+    """Whether the "moe_act" ticket counters of x's device are all zero."""
     from kernels import ticket
-    return not any(ticket.counters(x.device, key, ticket.MAX_COUNTERS).any()
-                   for key in ("moe_act", "moe_ready", "moe_done"))
+    return not ticket.counters(x.device, "moe_act", ticket.MAX_COUNTERS).any()
 
 
 @pytest.mark.parametrize("tp,tokens,bn13,split,act_block,dtype,seed", [
@@ -126,7 +125,6 @@ def test_gemv_fused_act_equals_unfused(monkeypatch, tp, tokens, bn13, split, act
     from kernels import moe_gemv as mg
 
     monkeypatch.setattr(mg, "ACT_BLOCK", act_block)
-    monkeypatch.setattr(mg, "FUSE_W2", False)
     cfg, w = tiny_weights(tp, seed=30 + seed)
     x = torch.randn(tokens, cfg.hidden, device=DEV).to(dtype)
     ids, tw = synthetic_routing("skewed", tokens, cfg.n_experts, cfg.top_k, device=DEV, seed=seed)
@@ -142,53 +140,6 @@ def test_gemv_fused_act_equals_unfused(monkeypatch, tp, tokens, bn13, split, act
     unfused = mg.fused_moe_gemv(x, ids, tw, w, mcfg)
     assert torch.equal(fused, unfused)
     assert rel_err(fused, fused_moe_ref(x.float(), ids, tw, w)) < (1e-5 if dtype == torch.float32 else 2e-3)
-
-
-@pytest.mark.parametrize("tp,tokens,bn13,bn2,split,words,dtype,seed", [
-    (8, 1, 64, 64, 0, 4096, torch.float16, 0),     # I = 32: w2 is one K step (KP 1)
-    (8, 2, 64, 128, 2, 4096, torch.float32, 1),    # 2 tokens, 2 w13 splits
-    (1, 1, 128, 256, 3, 2048, torch.float16, 2),   # I = 256: 8 steps; bn2 256 -> 64 by the word budget
-    pytest.param(1, 3, 128, 128, 0, 4096, torch.float32, 3, marks=pytest.mark.slow),   # 12 assignments
-])
-def test_moe_one_launch_equals_two(monkeypatch, tp, tokens, bn13, bn2, split, words, dtype, seed):
-    """FUSE_W2: w13, act and w2 in one launch (w2 programs wait on per-assignment flags)
-    give the two-launch result up to fp32 summation order, with and without sum_k; bit-
-    repeatable; the reference; flags and counters zero again after each call."""
-    from kernels import moe_gemv as mg
-
-    monkeypatch.setattr(mg, "W2_WORDS", words)
-    cfg, w = tiny_weights(tp, seed=40 + seed)
-    x = torch.randn(tokens, cfg.hidden, device=DEV).to(dtype)
-    ids, tw = synthetic_routing("skewed", tokens, cfg.n_experts, cfg.top_k, device=DEV, seed=seed)
-    mcfg = MoeTritonConfig(gemv=True, block_m=1, block_n13=bn13, block_n2=bn2, split_k=split)
-    got_bn2 = mg.one_launch_bn2(w, mcfg)
-    assert got_bn2 >= 64 and triton_pow2(cfg.moe_inter_local // 32) * 4 * got_bn2 <= words
-    monkeypatch.setattr(mg, "FUSE_W2", True)
-    rows = mg.fused_moe_gemv(x, ids, tw, w, mcfg, sum_k=False)
-    assert _counters_zero(x)
-    assert torch.equal(mg.fused_moe_gemv(x, ids, tw, w, mcfg, sum_k=False), rows)
-    one = mg.fused_moe_gemv(x, ids, tw, w, mcfg)
-    assert torch.equal(one, rows.view(tokens, cfg.top_k, -1).sum(1).to(dtype))
-    monkeypatch.setattr(mg, "FUSE_W2", False)
-    two_rows = mg.fused_moe_gemv(x, ids, tw, w, mcfg, sum_k=False)
-    torch.testing.assert_close(rows, two_rows, rtol=1e-5, atol=1e-5 * two_rows.abs().max().item())
-    assert rel_err(one, fused_moe_ref(x.float(), ids, tw, w)) < (1e-5 if dtype == torch.float32 else 2e-3)
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def test_moe_one_launch_needs_w2_to_fit(monkeypatch):
-    """A w2 whose K does not fit W2_WORDS even at 64 columns runs as two launches."""
-    from kernels import moe_gemv as mg
-
-    cfg, w = tiny_weights(1)
-    mcfg = MoeTritonConfig(gemv=True, block_m=1, block_n13=64, block_n2=256)
-    monkeypatch.setattr(mg, "W2_WORDS", 8 * 4 * 64)
-    assert mg.one_launch_bn2(w, mcfg) == 64
-    monkeypatch.setattr(mg, "W2_WORDS", 8 * 4 * 64 - 1)
-    assert mg.one_launch_bn2(w, mcfg) == 0
 
 
 def test_default_config_picks_gemv_for_few_tokens():
@@ -306,7 +257,6 @@ def test_gemv_fused_act_bf16_k26_graph(monkeypatch):
     from kernels import moe_gemv as mg
     from kernels.moe_triton import default_config
 
-    monkeypatch.setattr(mg, "FUSE_W2", False)
     cfg = preset("k2.6", tp=8)
     w = random_marlin_moe(32, cfg.hidden, cfg.moe_inter_local, cfg.group_size, cfg.top_k, device="cuda")
     for tokens in (1, 16):
@@ -339,50 +289,3 @@ def test_gemv_fused_act_bf16_k26_graph(monkeypatch):
             assert _counters_zero(x)
             assert torch.equal(out, run(False)), (tokens, rep)
     assert default_config(1, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden).block_m == 1
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 10])
-def test_moe_one_launch_bf16_k26_graph(monkeypatch, tokens):
-    """K2.6 TP-8 shapes, bf16, block_m 1: the one-launch MoE (w2 programs spinning on the
-    act flags) matches the two launches to fp32 rounding, eagerly and in a CUDA graph
-    replayed on new inputs and routing (with PDL as the engine launches it), is bit-
-    repeatable, and leaves every flag and counter at zero."""
-    from kernels import moe_gemv as mg
-
-    cfg = preset("k2.6", tp=8)
-    w = random_marlin_moe(64, cfg.hidden, cfg.moe_inter_local, cfg.group_size, cfg.top_k, device="cuda")
-    mcfg = default_config(tokens, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden)
-    assert mcfg.block_m == 1 and mg.one_launch_bn2(w, mcfg)
-    x = torch.randn(tokens, cfg.hidden, device="cuda", dtype=torch.bfloat16)
-    ids, tw = synthetic_routing("uniform", tokens, 64, cfg.top_k, device="cuda", seed=tokens)
-
-    def run(one):
-        monkeypatch.setattr(mg, "FUSE_W2", one)
-        return mg.fused_moe_gemv(x, ids, tw, w, mcfg, sm_count(x.device), sum_k=False)
-
-    def check(rows):
-        want = run(False)
-        assert rel_err(rows, want) < 1e-6 and _counters_zero(x)
-
-    check(run(True))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run(True)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = run(True)
-    for rep in range(3):
-        x.copy_(torch.randn_like(x))
-        new_ids, new_tw = synthetic_routing("uniform", tokens, 64, cfg.top_k, device="cuda", seed=200 + rep)
-        ids.copy_(new_ids)
-        tw.copy_(new_tw)
-        g.replay()
-        torch.cuda.synchronize()
-        first = out.clone()
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, first)
-        check(out)
