@@ -36,6 +36,7 @@ from kernels.moe_triton import _block_rows, _scale_col, align_tokens
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
 FUSE_ACT = True  # block_m 1: SiLU(gate) * up * weight in w13's last program per assignment (read at each call)
 ACT_BLOCK = 512  # act columns per step of that program's loop over I
+SPLIT_PROGRAMS_PER_SM = 2   # w13's K splits aim at this many programs per SM (`gemv_splits`)
 
 
 @triton.jit
@@ -239,8 +240,9 @@ def _sum_k_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, KP: tl.constexpr, BLOC
 
 
 def gemv_splits(blocks: int, col_tiles: int, k_steps: int, n_sms: int) -> int:
-    """K splits of w13 so its grid has about 2 programs per SM, each with >= 8 steps."""
-    want = -(-2 * n_sms // (blocks * col_tiles))
+    """K splits of w13 so its grid has about SPLIT_PROGRAMS_PER_SM programs per SM, each
+    with >= 8 steps."""
+    want = -(-SPLIT_PROGRAMS_PER_SM * n_sms // (blocks * col_tiles))
     return max(1, min(want, k_steps // 8, 16))
 
 

@@ -34,6 +34,12 @@ from kernels.moe_gemv import store_permuted
 from kernels.moe_triton import sm_count
 
 MAX_ROWS = 4
+# launch shape, read at each launch (`tiles`, `skinny_bmm`): programs per SM the column tiles
+# aim for, values of a [BM, BN, BK] product, warps, pipeline stages
+PROGRAMS_PER_SM = 2
+TILE_VALUES = 8192
+NUM_WARPS = 4
+NUM_STAGES = 4
 FUSE_ROUTE = os.environ.get("DDBENCH_FUSE_ROUTE", "1") != "0"     # router top-k in the gate GEMM
 
 
@@ -146,13 +152,13 @@ def _rope_cols(acc, n, m, m_ok, cos_ptr, sin_ptr, stride_cs, HEAD: tl.constexpr,
 
 def tiles(m: int, n: int, k: int, n_sms: int = 132, glu: bool = False) -> tuple[int, int, int]:
     """(BM, BN, BK): BM covers the rows; BN the largest of 16/8/4/2/1 that still gives
-    about 2 programs per SM; BK so that the [BM, BN, BK] product (two with glu) stays at
-    8192 values."""
+    about PROGRAMS_PER_SM programs per SM; BK so that the [BM, BN, BK] product (two with
+    glu) stays at TILE_VALUES values."""
     bm = triton.next_power_of_2(m)
     bn = 16
-    while bn > 1 and triton.cdiv(n, bn) < 2 * n_sms:
+    while bn > 1 and triton.cdiv(n, bn) < PROGRAMS_PER_SM * n_sms:
         bn //= 2
-    bk = min(triton.next_power_of_2(k), max(64, 8192 // (bm * bn * (2 if glu else 1))), 1024)
+    bk = min(triton.next_power_of_2(k), max(64, TILE_VALUES // (bm * bn * (2 if glu else 1))), 1024)
     return bm, bn, bk
 
 
@@ -197,8 +203,9 @@ def heads_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
-                  tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4,
-                  glu: bool = False, rope: tuple | None = None, add_rows: int = 1) -> torch.Tensor:
+                  tile: tuple[int, int, int] | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, glu: bool = False, rope: tuple | None = None,
+                  add_rows: int = 1) -> torch.Tensor:
     """The Triton path of `linear`, any device Triton runs on (tests use the interpreter).
     glu: w `[2I, K]` holds gate rows then up rows; returns SiLU(x gate^T) * (x up^T) `[.., I]`.
     rope: (cos, sin, head, offset): the output is heads of `head` columns and columns
@@ -216,7 +223,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = N
 def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
                 residual: torch.Tensor | None = None, glu: bool = False, out_xn: bool = False,
                 out_xp: bool = False, route: tuple | None = None, tile: tuple[int, int, int] | None = None,
-                num_warps: int = 4, num_stages: int = 4):
+                num_warps: int | None = None, num_stages: int | None = None):
     """RMSNorm (+ residual add) as the prologue of the skinny GEMM, one launch, Triton path.
 
     h = residual + x (in x's dtype; h = x without residual), xn = h / rms(h) * norm_w (fp32
@@ -266,8 +273,8 @@ def norm_linear_ref(x, norm_w, eps, w, residual=None, glu=False):
 
 
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.Tensor | None = None,
-               tile: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 4,
-               glu: bool = False, norm: tuple | None = None, rope: tuple | None = None,
+               tile: tuple[int, int, int] | None = None, num_warps: int | None = None,
+               num_stages: int | None = None, glu: bool = False, norm: tuple | None = None, rope: tuple | None = None,
                add_rows: int = 1, route: tuple | None = None) -> torch.Tensor:
     """out[b] = x[b] @ w[b]^T (+ add[b]): x `[B, M, K]`, w `[B, N, K]`, out `[B, M, N]`, any
     strides except unit strides on the last dims of x, out and add (w may be a transposed view).
@@ -290,6 +297,7 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
         raise ValueError("skinny_bmm: the norm prologue and the rope/route epilogues need one batch")
     a = add if add is not None else out
     bm, bn, bk = tile or tiles(m, n, k, sm_count(x.device) // max(1, bsz), glu)
+    num_warps, num_stages = num_warps or NUM_WARPS, num_stages or NUM_STAGES
     cos = sin = None
     if rope is not None:
         cos, sin, head, rope_off = rope

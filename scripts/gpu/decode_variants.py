@@ -1,11 +1,12 @@
-"""The CUDA-graph decode step with each launch-saving option switched off in turn (H200,
-K2.6 TP-8 rank-0 shard), so each option's gain is measured in the step it is for.
+"""The CUDA-graph decode step with each launch-saving option switched off in turn, or with
+another launch shape (TRIALS) (H200, K2.6 TP-8 rank-0 shard), so each option's gain is
+measured in the step it is for.
 
 python3 scripts/gpu/decode_variants.py [OUT_DIR] [CONCURRENCY,...] [OPTION,...]: builds the rank-0 shard
 with random weights once, prefills 128 tokens, then for each variant re-captures the step
 graph from the same state and times 40 back-to-back replays (after 20 untimed ones). A
 variant sets module attributes (`VARIANTS`); `default` changes none, `all off` all of them (all
-OPTIONS, or those named in the third argument).
+OPTIONS, or those named in the third argument, which may also name TRIALS: `try ..` each).
 `same_tokens`: the variant's 20 greedy tokens equal default's (options that change the
 rounding order may flip a token of the random-weight model; informational). Writes
 OUT_DIR/decode_variants.csv. About 2-3 minutes (init, compiles).
@@ -31,16 +32,45 @@ OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "fused moe act": [("kernels.moe_gemv", "FUSE_ACT", False)],
     "shared expert stream": [("engine.model", "SIDE_STREAM", False)],
     "attention chunks 32 capped": [("kernels.mla_attn", "MIN_CHUNK", 64), ("kernels.mla_attn", "MAX_CHUNKS", 0)],
-    "attention one launch": [("kernels.mla_attn", "FUSE_COMBINE", False)],
-    "moe one launch": [("kernels.moe_gemv", "FUSE_W2", False)],
-    "moe one launch w2 256 columns": [("kernels.moe_gemv", "W2_WORDS", 4096)],
+}
+_gemv = importlib.import_module("kernels.moe_triton").TILE_TABLE
+_row0 = _gemv[0]
+
+
+def _gemv_row0(**change) -> list:
+    """TILE_TABLE with its first row (decode sizes: the CUDA-core MoE) changed."""
+    return [(_row0[0], {**_row0[1], **change})] + _gemv[1:]
+
+
+TRIALS = {  # launch shapes to try against the default: trial -> [(module, attribute, value), ..]
+    "skinny 1 program/SM": [("kernels.skinny", "PROGRAMS_PER_SM", 1)],
+    "skinny 4 programs/SM": [("kernels.skinny", "PROGRAMS_PER_SM", 4)],
+    "skinny tile 16k": [("kernels.skinny", "TILE_VALUES", 16384)],
+    "skinny tile 4k": [("kernels.skinny", "TILE_VALUES", 4096)],
+    "skinny 3 stages": [("kernels.skinny", "NUM_STAGES", 3)],
+    "skinny 6 stages": [("kernels.skinny", "NUM_STAGES", 6)],
+    "skinny 8 warps": [("kernels.skinny", "NUM_WARPS", 8)],
+    "gemv 4 stages": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_stages=4))],
+    "gemv 6 stages": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_stages=6))],
+    "gemv 8 warps": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_warps=8))],
+    "gemv 2 warps": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_warps=2))],
+    "gemv w13 128 columns": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(block_n13=128))],
+    "gemv w2 128 columns": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(block_n2=128))],
+    "gemv w2 512 columns": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(block_n2=512))],
+    "gemv splits 1/SM": [("kernels.moe_gemv", "SPLIT_PROGRAMS_PER_SM", 1)],
+    "gemv splits 4/SM": [("kernels.moe_gemv", "SPLIT_PROGRAMS_PER_SM", 4)],
 }
 pick = sys.argv[3].split(",") if len(sys.argv) > 3 else list(OPTIONS)
+unknown = [k for k in pick if k not in OPTIONS and k not in TRIALS]
+if unknown:
+    sys.exit(f"unknown option or trial {unknown}: options {list(OPTIONS)}, trials {list(TRIALS)}")
 present = {k: v for k, v in OPTIONS.items()
            if k in pick and all(hasattr(importlib.import_module(m), a) for m, a, _ in v)}
 for k in set(pick) & OPTIONS.keys() - present.keys():
     print(f"note: option {k!r} ({OPTIONS[k]}) not in this tree, skipped")
-VARIANTS = {"default": [], **{f"no {k}": [k] for k in present}, "all off": list(present)}
+VARIANTS = {"default": [], **{f"no {k}": [k] for k in present}, **({"all off": list(present)} if present else {}),
+            **{f"try {k}": [k] for k in pick if k in TRIALS}}
+SETTINGS = {**present, **{k: v for k, v in TRIALS.items() if k in pick}}
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 concs = [int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "1,10").split(",")]
@@ -48,13 +78,16 @@ out.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
 cfg = preset("k2.6", tp=8, rank=0)
 model, _ = build_model(cfg, SimComm(8, 0, lambda n: 0.0), None, "triton", "triton", 0, dev, "auto")
-defaults = {(m, a): getattr(importlib.import_module(m), a) for v in present.values() for m, a, _ in v}
+defaults = {(m, a): getattr(importlib.import_module(m), a) for v in SETTINGS.values() for m, a, _ in v}
 
 
-def apply(off: list[str]) -> None:
-    for k, triples in present.items():
-        for m, a, v in triples:
-            setattr(importlib.import_module(m), a, v if k in off else defaults[(m, a)])
+def apply(chosen: list[str]) -> None:
+    """Set the chosen options off / trials on, everything else to its default."""
+    for m, a in defaults:
+        setattr(importlib.import_module(m), a, defaults[(m, a)])
+    for k in chosen:
+        for m, a, v in SETTINGS[k]:
+            setattr(importlib.import_module(m), a, v)
 
 
 rows = []
