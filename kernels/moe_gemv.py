@@ -36,7 +36,8 @@ from kernels.moe_triton import _block_rows, _scale_col, align_tokens
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
 FUSE_ACT = True  # block_m 1: SiLU(gate) * up * weight in w13's last program per assignment (read at each call)
 ACT_BLOCK = 512  # act columns per step of that program's loop over I
-SPLIT_PROGRAMS_PER_SM = 2   # w13's K splits aim at this many programs per SM (`gemv_splits`)
+SPLIT_PROGRAMS_PER_SM = 2   # w13's K splits aim at this many programs per SM (`gemv_splits`),
+MAX_SPLITS = 16             # at most this many
 
 
 @triton.jit
@@ -243,7 +244,7 @@ def gemv_splits(blocks: int, col_tiles: int, k_steps: int, n_sms: int) -> int:
     """K splits of w13 so its grid has about SPLIT_PROGRAMS_PER_SM programs per SM, each
     with >= 8 steps."""
     want = -(-SPLIT_PROGRAMS_PER_SM * n_sms // (blocks * col_tiles))
-    return max(1, min(want, k_steps // 8, 16))
+    return max(1, min(want, k_steps // 8, MAX_SPLITS))
 
 
 def permute_rows(src: torch.Tensor, topk_weights: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:

@@ -59,6 +59,18 @@ TRIALS = {  # launch shapes to try against the default: trial -> [(module, attri
     "gemv w2 512 columns": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(block_n2=512))],
     "gemv splits 1/SM": [("kernels.moe_gemv", "SPLIT_PROGRAMS_PER_SM", 1)],
     "gemv splits 4/SM": [("kernels.moe_gemv", "SPLIT_PROGRAMS_PER_SM", 4)],
+    "gemv splits 6/SM": [("kernels.moe_gemv", "SPLIT_PROGRAMS_PER_SM", 6)],
+    "gemv splits 8/SM": [("kernels.moe_gemv", "SPLIT_PROGRAMS_PER_SM", 8)],
+    "gemv splits <= 28": [("kernels.moe_gemv", "MAX_SPLITS", 28)],
+    "gemv splits 4/SM, 4 stages": [("kernels.moe_gemv", "SPLIT_PROGRAMS_PER_SM", 4),
+                                   ("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_stages=4))],
+    "skinny tile 2k": [("kernels.skinny", "TILE_VALUES", 2048)],
+    "skinny tile 4k, 1 program/SM": [("kernels.skinny", "TILE_VALUES", 4096),
+                                     ("kernels.skinny", "PROGRAMS_PER_SM", 1)],
+    "skinny tile 2k, 1 program/SM": [("kernels.skinny", "TILE_VALUES", 2048), ("kernels.skinny", "PROGRAMS_PER_SM", 1)],
+    "skinny tile 4k, 6 stages": [("kernels.skinny", "TILE_VALUES", 4096), ("kernels.skinny", "NUM_STAGES", 6)],
+    "skinny tile 4k, 1 program/SM, 6 stages": [("kernels.skinny", "TILE_VALUES", 4096),
+                                               ("kernels.skinny", "PROGRAMS_PER_SM", 1), ("kernels.skinny", "NUM_STAGES", 6)],
 }
 pick = sys.argv[3].split(",") if len(sys.argv) > 3 else list(OPTIONS)
 unknown = [k for k in pick if k not in OPTIONS and k not in TRIALS]
