@@ -36,8 +36,11 @@ from kernels.moe_triton import _block_rows, _scale_col, align_tokens
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
 FUSE_ACT = True  # block_m 1: SiLU(gate) * up * weight in w13's last program per assignment (read at each call)
 ACT_BLOCK = 512  # act columns per step of that program's loop over I
-SPLIT_PROGRAMS_PER_SM = 2   # w13's K splits aim at this many programs per SM (`gemv_splits`),
-MAX_SPLITS = 16             # at most this many
+# w13's K splits aim at this many programs per SM (`gemv_splits`), at most MAX_SPLITS: 4 took
+# 0.9 ms off the c=10 decode step on the H200 against 2 (8: the same; c=1 is at the cap either
+# way; results/h200/decode/decode_trials_*)
+SPLIT_PROGRAMS_PER_SM = 4
+MAX_SPLITS = 16
 
 
 @triton.jit

@@ -35,9 +35,11 @@ from kernels.moe_triton import sm_count
 
 MAX_ROWS = 4
 # launch shape, read at each launch (`tiles`, `skinny_bmm`): programs per SM the column tiles
-# aim for, values of a [BM, BN, BK] product, warps, pipeline stages
+# aim for, values of a [BM, BN, BK] product, warps, pipeline stages. Chosen in the c=1 decode
+# step on the H200 (scripts/gpu/decode_variants.py TRIALS, results/h200/decode/decode_trials_*):
+# 4096 values 93 us faster than 8192 (2048: +1.3 ms); 1 or 4 programs/SM, 3 or 6 stages, 8 warps slower
 PROGRAMS_PER_SM = 2
-TILE_VALUES = 8192
+TILE_VALUES = 4096
 NUM_WARPS = 4
 NUM_STAGES = 4
 FUSE_ROUTE = os.environ.get("DDBENCH_FUSE_ROUTE", "1") != "0"     # router top-k in the gate GEMM
