@@ -34,6 +34,7 @@ from kernels.moe_gemv import store_permuted
 from kernels.moe_triton import sm_count
 
 MAX_ROWS = 4
+MAX_N_OVER_K = 1   # `fits`: W with at most this many rows per column (read at each call)
 # launch shape, read at each launch (`tiles`, `skinny_bmm`): programs per SM the column tiles
 # aim for, values of a [BM, BN, BK] product, warps, pipeline stages. Chosen in the c=1 decode
 # step on the H200 (scripts/gpu/decode_variants.py TRIALS, results/h200/decode/decode_trials_*):
@@ -167,12 +168,12 @@ def tiles(m: int, n: int, k: int, n_sms: int = 132, glu: bool = False) -> tuple[
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `linear(x, w)` takes the Triton path: where it beat cuBLAS on the H200
     (scripts/gpu/skinny_bench.py, docs/BENCHMARKS.md), i.e. CUDA, 1..MAX_ROWS rows (MAX_ROWS = 0
-    turns it off), N <= K (long rows of W; with PDL the N > K ones were also slower in the
-    decode step: docs/BENCHMARKS.md), bf16/fp16. The engine fuses its norms and epilogues into
+    turns it off), N <= MAX_N_OVER_K * K (long rows of W; with PDL the N > K ones were also
+    slower in the decode step: docs/BENCHMARKS.md), bf16/fp16. The engine fuses its norms and epilogues into
     a GEMM only where this holds for that GEMM (or, for the shared expert's down GEMM, where
     it held for the router)."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    return (x.is_cuda and 0 < rows <= MAX_ROWS and w.shape[0] <= w.shape[1]
+    return (x.is_cuda and 0 < rows <= MAX_ROWS and w.shape[0] <= MAX_N_OVER_K * w.shape[1]
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype)
 
 
