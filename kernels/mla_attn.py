@@ -50,7 +50,10 @@ LOG2E = 1.4426950408889634
 # results/h200/attn_probe.csv, H200)
 MAX_CHUNKS = 64
 MIN_CHUNK = 32    # default min_chunk of decode-size calls (num_splits not given)
-WAVES = 2.0       # default `waves`: work items per SM
+# default `waves` (work items per SM) of decode-size calls (<= 16 query rows), read at each
+# call: 1 took 60 us off the c=1 decode step on the H200 against 2 (c=10: 33 us; 4: +100,
+# +140; results/h200/decode/decode_trials_20261202-2002.csv); larger calls keep 2
+DECODE_WAVES = 1.0
 
 
 @triton.jit
@@ -268,8 +271,8 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     and the work is sized from the live lengths, not from S.
 
     Flash-decoding without a host sync (CUDA-graph safe): the grid has a fixed number of
-    work items, P + B, with P = `waves` x SMs / query blocks (default WAVES = 2: two programs per
-    SM). The kernel reads `prefix_len` on the device and cuts the live KV of all streams
+    work items, P + B, with P = `waves` x SMs / query blocks (default 2, two programs per
+    SM; DECODE_WAVES = 1 for decode-size calls). The kernel reads `prefix_len` on the device and cuts the live KV of all streams
     into chunks of one size (at least `min_chunk` positions, default 32, and long enough that
     no stream has more than `MAX_CHUNKS`) so that they fill
     at most those items; streams of different lengths get different numbers of chunks,
@@ -306,7 +309,9 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     if num_splits is not None:
         n_work = num_splits * b
     else:
-        n_work = max(b, int((WAVES if waves is None else waves) * _n_sm(dev)) // n_mb)
+        if waves is None:
+            waves = DECODE_WAVES if small else 2.0
+        n_work = max(b, int(waves * _n_sm(dev)) // n_mb)
     direct = n_work <= b
     out = torch.empty(b, t, h, dl, dtype=q_lat.dtype, device=dev)
     vis = visible if visible.stride(-1) == 1 else visible.contiguous()
