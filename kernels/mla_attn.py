@@ -54,6 +54,8 @@ MIN_CHUNK = 32    # default min_chunk of decode-size calls (num_splits not given
 # call: 1 took 60 us off the c=1 decode step on the H200 against 2 (c=10: 33 us; 4: +100,
 # +140; results/h200/decode/decode_trials_20261202-2002.csv); larger calls keep 2
 DECODE_WAVES = 1.0
+# tile of decode-size calls (read at each call): KV positions per step, warps, stages
+DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES = 32, 4, 3
 
 
 @triton.jit
@@ -296,11 +298,11 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     if block_m is None:
         block_m = 16 if small else 32
     if block_n is None:
-        block_n = 32 if small or dl < 256 else 64
+        block_n = DECODE_BLOCK_N if small else 32 if dl < 256 else 64
     if num_warps is None:
-        num_warps = 4 if block_m <= 16 else 8
+        num_warps = DECODE_WARPS if small else 4 if block_m <= 16 else 8
     if num_stages is None:
-        num_stages = 3 if small else 2                 # 32 x 576 bf16 tiles: 2 in flight, 2 programs/SM
+        num_stages = DECODE_STAGES if small else 2     # 32 x 576 bf16 tiles: 2 in flight, 2 programs/SM
     if min_chunk is None:
         # 32 with the MAX_CHUNKS cap (see there; scripts/gpu/attn_probe.py)
         min_chunk = MIN_CHUNK if num_splits is None else block_n
