@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The launch-saving options of the decode step on one H200 (PDL, kernels/pdl.py; fused route
-# and MoE act; attention chunk cap; shared expert on a side stream; MoE w13 + w2 and attention
-# split + merge each in one launch):
+# and MoE act; attention chunk cap; shared expert on a side stream; or the launch shapes of
+# decode_variants.py's TRIALS when named):
 #   1. the decode step with each option off in turn (scripts/gpu/decode_variants.py, ~3 min)
 #   2. GPU tests of the kernels involved: the PDL chain against plain launches
 #      (tests/test_pdl.py), skinny, attention, engine kernels and model, MoE gemv (~2 min)
 #   3. ddbench decode --preset k2.6 --tp 8 --simulate-rank 0 at concurrency 1 and 10 (~1.5 min)
 #   4. kernel-by-kernel profile of one c=1 step (scripts/gpu/decode_profile.py, ~1 min)
-# Usage: decode_options.sh [OPTION,...] (step 1 only for those options of decode_variants.py).
+# Usage: decode_options.sh [NAME,...] (step 1 only for those options / trials of decode_variants.py).
 # Writes results/h200/decode/; new files and the log are copied to $OUT/decode if set.
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
@@ -22,7 +22,7 @@ timeout 300 python3 scripts/gpu/decode_variants.py "$dir" 1,10 ${1:+"$1"} 2>&1 |
 
 timeout 240 python3 -m pytest -q -m gpu tests/test_pdl.py tests/test_skinny.py tests/test_engine_kernels.py \
   tests/test_engine.py tests/test_mla_attn.py 2>&1 | tail -15 | log || echo "FAILED gpu tests"
-timeout 120 python3 -m pytest -q -m gpu tests/test_moe_triton.py -k "gemv or graph or one_launch" 2>&1 | tail -5 | log \
+timeout 120 python3 -m pytest -q -m gpu tests/test_moe_triton.py -k "gemv or graph" 2>&1 | tail -5 | log \
   || echo "FAILED moe gemv tests"
 
 timeout 200 python3 -m ddbench decode --preset k2.6 --tp 8 --simulate-rank 0 --concurrency 1,10 \
