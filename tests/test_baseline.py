@@ -46,9 +46,14 @@ def measure(server, api, **kw):
     return rows(summary), rows(requests), summary, requests
 
 
+# The schedule tests use times long against what a localhost request itself costs on a
+# small shared machine (7-14 ms to the first byte measured on the 2-core CPU box), so that
+# cost stays inside REL: "within a few percent" is about the client's arithmetic.
+
+
 def test_sglang_multi_token_events_match_schedule(tmp_path):
-    # first event 1 token after 200 ms, then 4 tokens every 50 ms: 17 tokens = 1 + 4 x 4
-    ttft, gap = 0.2, 0.05
+    # first event 1 token after 500 ms, then 4 tokens every 100 ms: 17 tokens = 1 + 4 x 4
+    ttft, gap = 0.5, 0.1
     sch = Schedule(ttft_s=ttft, gap_s=gap, first=1, per_event=4)
     with TestServer(sch) as s:
         [row], reqs, summary, requests = measure(s, "sglang", out=tmp_path)
@@ -90,7 +95,7 @@ def test_sglang_multi_token_events_match_schedule(tmp_path):
 
 
 def test_openai_single_token_chunks_with_usage(tmp_path):
-    ttft, gap, n = 0.2, 0.05, 8
+    ttft, gap, n = 0.5, 0.1, 8
     sch = Schedule(ttft_s=ttft, gap_s=gap, usage="continuous")
     with TestServer(sch) as s:
         [row], reqs, *_ = measure(s, "openai", concurrency=[3], num_prompts=6, output_len=n,
@@ -250,10 +255,11 @@ def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
         [reqs] = (tmp_path / "a").glob("baseline_requests_*.csv")
         assert len(rows(reqs)) == 6
 
-        # Ctrl-C mid-run: finished requests stay on disk, the sidecar says incomplete
+        # Ctrl-C mid-run: finished requests stay on disk, the sidecar says incomplete (500 prompts
+        # take ~85 s, so the signal lands mid-run even if this loop is slow to see the rows)
         s.configure(gap_s=0.05)
         proc = subprocess.Popen([sys.executable, "-m", "ddbench", "baseline", "--url", s.url, "-c", "1",
-                                 "--num-prompts", "50", "--input-len", "4", "--output-len", "4",
+                                 "--num-prompts", "500", "--input-len", "4", "--output-len", "4",
                                  "--warmup", "0", "--out", str(tmp_path / "b")], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         partial = []
@@ -268,7 +274,7 @@ def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
     assert proc.returncode == 130, err
     [reqs] = (tmp_path / "b").glob("baseline_requests_*.csv")
     kept = rows(reqs)
-    assert 2 <= len(kept) < 50 and all(r["ok"] == "1" for r in kept)
+    assert 2 <= len(kept) < 500 and all(r["ok"] == "1" for r in kept)
     meta = json.loads(reqs.with_suffix(".json").read_text())
     assert meta["completed"] is False
 
