@@ -274,10 +274,10 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
 
     Flash-decoding without a host sync (CUDA-graph safe): the grid has a fixed number of
     work items, P + B, with P = `waves` x SMs / query blocks (default 2, two programs per
-    SM; DECODE_WAVES = 1 for decode-size calls). The kernel reads `prefix_len` on the device and cuts the live KV of all streams
-    into chunks of one size (at least `min_chunk` positions, default 32, and long enough that
-    no stream has more than `MAX_CHUNKS`) so that they fill
-    at most those items; streams of different lengths get different numbers of chunks,
+    SM; DECODE_WAVES = 1 for decode-size calls). The kernel reads `prefix_len` on the
+    device and cuts the live KV of all streams into chunks of one size (at least `min_chunk`
+    positions, default 32, and long enough that no stream has more than `MAX_CHUNKS`) so
+    that they fill at most those items; streams of different lengths get different numbers of chunks,
     surplus items exit at once, and a second kernel merges each stream's chunks
     (`merge_tile` = (latent columns, chunks per load, warps) of its programs). Both launch
     with programmatic dependent launch where `kernels.pdl.on` (`use_pdl` overrides).
