@@ -11,8 +11,10 @@ Word `[kt, nb*128 + (4g + t)*4 + tile]` holds nibbles i = 4*kodd + 2*bn + bk: K 
 16kt + 2t + kodd + 8bk, column 64nb + 16tile + g + 8bn. A program's word tile is
 `[8, BN/2]`: rows r = (kt, t) for the two k-tiles of one 32-row step (one scale group),
 columns j = (nb, g, tile). Dequantization without shifts: `(w & (0xF << 4i)) | 0x4B000000`
-read as fp32 is 2^23 + 16^i q exactly (for i <= 4; nibbles 5-7 after one `w >> 20`), so one
-AND-OR and one subtraction give 16^i (q - 8); the 16^-i goes into the activation instead.
+read as fp32 is 2^23 + 16^i q exactly (for i <= 4; nibbles 5-7 after one `w >> 12`, as
+16^2..16^4 q), so one AND-OR (one LOP3: the magic is a kernel argument, so it sits in a
+register and the mask is the immediate) and one subtraction give 16^i (q - 8); the 16^-i
+goes into the activation instead (scale group sizes are constexprs: no division per step).
 The activations are first permuted (fp32, each twice, premultiplied by 16^-i) so that each
 step's 8 x 8 values are contiguous:
 then every load in the loop is 4-byte and contiguous, which Triton pipelines with cp.async.
@@ -44,13 +46,13 @@ MAX_SPLITS = 16
 
 
 @triton.jit
-def _nib(w, MASK: tl.constexpr, BIAS: tl.constexpr):
-    """The nibble under MASK (0xF << 4i) as fp32 16^i * (q - 8), exactly."""
-    return ((w & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - BIAS
+def _nib(w, magic, MASK: tl.constexpr, BIAS: tl.constexpr):
+    """The nibble under MASK (0xF << 4i) as fp32 16^i * (q - 8), exactly (magic: 0x4B000000)."""
+    return ((w & MASK) | magic).to(tl.float32, bitcast=True) - BIAS
 
 
 @triton.jit
-def _word_dot(w, v0, v1, v2, v3, v4, v5, v6, v7):
+def _word_dot(w, magic, v0, v1, v2, v3, v4, v5, v6, v7):
     """Words `[8, C]` times activations -> (lo, hi) `[BM, 8, C]`.
 
     v_i `[BM, 8]` is row r's activation for nibble i, premultiplied by 16^-i' where 16^i'
@@ -58,15 +60,15 @@ def _word_dot(w, v0, v1, v2, v3, v4, v5, v6, v7):
     pair, hi column g + 8 (still to be summed over the 8 rows).
     """
     M: tl.constexpr = 8388608.0                               # 2^23
-    hi_w = w >> 20                                            # nibbles 5..7 at bits 0..11
-    f0 = _nib(w, 0xF, M + 8.0)[None, :, :]                    # (2t,   g)     x 1
-    f1 = _nib(w, 0xF0, M + 128.0)[None, :, :]                 # (2t+8, g)     x 16
-    f2 = _nib(w, 0xF00, M + 2048.0)[None, :, :]               # (2t,   g+8)   x 256
-    f3 = _nib(w, 0xF000, M + 32768.0)[None, :, :]             # (2t+8, g+8)   x 4096
-    f4 = _nib(w, 0xF0000, M + 524288.0)[None, :, :]           # (2t+1, g)     x 65536
-    f5 = _nib(hi_w, 0xF, M + 8.0)[None, :, :]                 # (2t+9, g)     x 1
-    f6 = _nib(hi_w, 0xF0, M + 128.0)[None, :, :]              # (2t+1, g+8)   x 16
-    f7 = _nib(hi_w, 0xF00, M + 2048.0)[None, :, :]            # (2t+9, g+8)   x 256
+    hi_w = w >> 12                                            # nibbles 5..7 at bits 8..19
+    f0 = _nib(w, magic, 0xF, M + 8.0)[None, :, :]             # (2t,   g)     x 1
+    f1 = _nib(w, magic, 0xF0, M + 128.0)[None, :, :]          # (2t+8, g)     x 16
+    f2 = _nib(w, magic, 0xF00, M + 2048.0)[None, :, :]        # (2t,   g+8)   x 256
+    f3 = _nib(w, magic, 0xF000, M + 32768.0)[None, :, :]      # (2t+8, g+8)   x 4096
+    f4 = _nib(w, magic, 0xF0000, M + 524288.0)[None, :, :]    # (2t+1, g)     x 65536
+    f5 = _nib(hi_w, magic, 0xF00, M + 2048.0)[None, :, :]     # (2t+9, g)     x 256
+    f6 = _nib(hi_w, magic, 0xF000, M + 32768.0)[None, :, :]   # (2t+1, g+8)   x 4096
+    f7 = _nib(hi_w, magic, 0xF0000, M + 524288.0)[None, :, :]  # (2t+9, g+8)   x 65536
     lo = v0[:, :, None] * f0 + v1[:, :, None] * f1 + v4[:, :, None] * f4 + v5[:, :, None] * f5
     hi = v2[:, :, None] * f2 + v3[:, :, None] * f3 + v6[:, :, None] * f6 + v7[:, :, None] * f7
     return lo, hi
@@ -96,8 +98,8 @@ def _scales(s_row, sc_pair, PER_CHANNEL: tl.constexpr, n_lo):
 
 
 @triton.jit
-def _step(acc_lo, acc_hi, a_ptrs, a_mask, w_e, s_e, ks, wrow, wcol, sc_pair, n_lo, stride_wk, stride_sg, GROUP,
-          PER_CHANNEL: tl.constexpr):
+def _step(acc_lo, acc_hi, a_ptrs, a_mask, w_e, s_e, ks, wrow, wcol, sc_pair, n_lo, stride_wk, stride_sg, magic,
+          GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """acc `[BM, 8, C]` += one 32-row step (K rows 32ks..): activations from the permuted
     rows `a_ptrs` `[BM, 8]` (this step's 8 x 8 values), words of the expert, group scales."""
     a = a_ptrs + ks * 64
@@ -111,7 +113,7 @@ def _step(acc_lo, acc_hi, a_ptrs, a_mask, w_e, s_e, ks, wrow, wcol, sc_pair, n_l
     v7 = tl.load(a + 56, mask=a_mask, other=0.0)
     w = tl.load(w_e + (2 * ks) * stride_wk + wrow[:, None] + wcol[None, :])      # [8, C] int32
     s_lo, s_hi = _scales(s_e + (32 * ks // GROUP) * stride_sg, sc_pair, PER_CHANNEL, n_lo)
-    lo, hi = _word_dot(w, v0, v1, v2, v3, v4, v5, v6, v7)
+    lo, hi = _word_dot(w, magic, v0, v1, v2, v3, v4, v5, v6, v7)
     return acc_lo + lo * s_lo, acc_hi + hi * s_hi
 
 
@@ -130,8 +132,8 @@ def _gemv_kernel(
     out_ptr,                              # [S, T*k, N]: one row per assignment and K split
     act_ptr, topk_w_ptr, count_ptr,       # ACT: act fp32 [T*k, N] (GEMV order, K = N/2); weights fp32 [T*k]; tickets [T*k]
     stride_a, stride_we, stride_wk, stride_se, stride_sg, stride_os, stride_oa, stride_act,
-    A_DIV, GROUP, STEPS_PER_SPLIT, K_STEPS,
-    BM: tl.constexpr, BN: tl.constexpr, PER_CHANNEL: tl.constexpr, NUM_STAGES: tl.constexpr,
+    A_DIV, STEPS_PER_SPLIT, K_STEPS, magic,      # magic: 0x4B000000 (`_nib`; an argument so that it sits in a register)
+    GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PER_CHANNEL: tl.constexpr, NUM_STAGES: tl.constexpr,
     ACT: tl.constexpr, ACT_BLOCK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row block, column tile, K split). Row block = one assignment when BM == 1
@@ -163,7 +165,7 @@ def _gemv_kernel(
     k_first = pid_k * STEPS_PER_SPLIT
     for ks in tl.range(k_first, tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT), num_stages=NUM_STAGES):
         acc_lo, acc_hi = _step(acc_lo, acc_hi, a_ptrs, valid[:, None], w_e, s_e, ks, wrow, wcol, sc_pair,
-                               n_lo, stride_wk, stride_sg, GROUP, PER_CHANNEL)
+                               n_lo, stride_wk, stride_sg, magic, GROUP, PER_CHANNEL)
     out = out_ptr + pid_k.to(tl.int64) * stride_os + assign.to(tl.int64)[:, None] * stride_oa
     _store_cols(out, acc_lo, acc_hi, n_lo, valid)
     if ACT:
@@ -224,8 +226,8 @@ def store_permuted(dst_row, k, x, ok):
     v = (kk % 16) // 8 + 2 * (kk % 2)
     i_lo = v + 2 * (v // 2)
     base = dst_row + 64 * (k // 32) + 4 * (kk // 16) + (kk % 8) // 2
-    e_lo = tl.where(v == 1, 1, tl.where(v == 2, 4, 0))                  # nibbles 0, 1, 4, 5
-    e_hi = tl.where(v == 1, 3, tl.where(v == 2, 1, 2))                  # nibbles 2, 3, 6, 7
+    e_lo = tl.where(v == 1, 1, tl.where(v == 2, 4, tl.where(v == 3, 2, 0)))      # nibbles 0, 1, 4, 5
+    e_hi = tl.where(v == 0, 2, tl.where(v == 3, 4, 3))                          # nibbles 2, 3, 6, 7
     tl.store(base + 8 * i_lo, x * tl.exp2(-4.0 * e_lo.to(tl.float32)), mask=ok)
     tl.store(base + 8 * (i_lo + 2), x * tl.exp2(-4.0 * e_hi.to(tl.float32)), mask=ok)
 
@@ -289,8 +291,8 @@ def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids
     _gemv_kernel[(blocks, n // bn, split)](
         a, w, scales, ids, *route, out, act, tw, count,
         a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
-        act.stride(0), a_div, group, per_split, k_steps,
-        BM=cfg.block_m, BN=bn, PER_CHANNEL=k == group, num_warps=cfg.num_warps, NUM_STAGES=cfg.num_stages,
+        act.stride(0), a_div, per_split, k_steps, 0x4B000000,
+        GROUP=group, BM=cfg.block_m, BN=bn, PER_CHANNEL=k == group, num_warps=cfg.num_warps, NUM_STAGES=cfg.num_stages,
         ACT=fuse, ACT_BLOCK=act_block, SP=sp, **pdl.args(pdl.on(a)))
     return act if fuse else out
 
