@@ -44,6 +44,7 @@ TILE_VALUES = 4096
 NUM_WARPS = 4
 NUM_STAGES = 4
 FUSE_ROUTE = os.environ.get("DDBENCH_FUSE_ROUTE", "1") != "0"     # router top-k in the gate GEMM
+PRELOAD = True     # each program loads its first weight tile before the PDL wait (read at each launch)
 
 
 @triton.jit
@@ -65,6 +66,7 @@ def _skinny_kernel(
     ROPE: tl.constexpr, HEAD: tl.constexpr, ROPE_OFF: tl.constexpr,
     ROUTE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr,
     PDL: tl.constexpr,                    # launched as a dependent of the previous kernel (kernels.pdl)
+    PRELOAD: tl.constexpr,                # the first weight tile is loaded before the PDL wait
 ):
     """Program (column block, batch): y[b, :, n] = x[b] W[b, n]^T (+ add) for BN columns, then
     the epilogues in the order GLU, ROPE, add; then the side job ROUTE in the last program to
@@ -74,31 +76,27 @@ def _skinny_kernel(
     (sum of h^2 over the same x tiles) and applied after the loop: no extra pass over x."""
     b = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
-    pdl.enter(PDL)
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
     n_ok, m_ok = n < N, m < M
     w_rows = w_ptr + b * stride_wb + n.to(tl.int64)[:, None] * stride_wn                 # [BN, 1]
     x_rows = x_ptr + b * stride_xb + m[:, None] * stride_xm                             # [BM, 1]
+    if PRELOAD:  # the first K tile's weights (static: no earlier kernel writes them) before
+        # the PDL wait, so that their DRAM round trip overlaps the previous kernel's tail
+        w0, u0 = _w_tile(w_rows, kk, n_ok, K, stride_wk, N * stride_wn, GLU)
+        pdl.enter(PDL)
+    else:
+        pdl.enter(PDL)
+        w0, u0 = _w_tile(w_rows, kk, n_ok, K, stride_wk, N * stride_wn, GLU)
     acc3 = tl.zeros([BM, BN, BK], tl.float32)
     acc3_up = tl.zeros([BM, BN if GLU else 1, BK], tl.float32)
     ss = tl.zeros([BM, BK if NORM else 1], tl.float32)                                 # sums of h^2
-    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
-        k = k0 + kk
-        w_mask = n_ok[:, None] & (k < K)[None, :]
-        w = tl.load(w_rows + k[None, :] * stride_wk, mask=w_mask, other=0.0)           # [BN, BK]
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)  # [BM, BK]
-        if NORM:
-            if HAS_RES:  # h in x's dtype, as the residual stream stores it
-                r = tl.load(res_ptr + m[:, None] * stride_rm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
-                            other=0.0).to(tl.float32)
-                x = (x + r).to(x_ptr.dtype.element_ty).to(tl.float32)
-            ss += x * x
-            x = x * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-        acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]                               # [BM, BN, BK]
-        if GLU:
-            u = tl.load(w_rows + N * stride_wn + k[None, :] * stride_wk, mask=w_mask, other=0.0)   # [BN, BK]
-            acc3_up += x[:, None, :] * u.to(tl.float32)[None, :, :]
+    acc3, acc3_up, ss = _x_tile(acc3, acc3_up, ss, w0, u0, x_rows, kk, m, m_ok, K, x_ptr, res_ptr, stride_rm, nw_ptr,
+                                NORM, HAS_RES, GLU)
+    for k0 in tl.range(BK, K, BK, num_stages=NUM_STAGES):
+        w, u = _w_tile(w_rows, k0 + kk, n_ok, K, stride_wk, N * stride_wn, GLU)
+        acc3, acc3_up, ss = _x_tile(acc3, acc3_up, ss, w, u, x_rows, k0 + kk, m, m_ok, K, x_ptr, res_ptr, stride_rm,
+                                    nw_ptr, NORM, HAS_RES, GLU)
     acc = tl.sum(acc3, 2)                                                                 # [BM, BN]
     rstd = tl.full([BM], 1.0, tl.float32)
     if NORM:
@@ -135,6 +133,36 @@ def _skinny_kernel(
             for row in range(0, M):
                 route_row(y_ptr + row * stride_ym, bias_ptr, ids_ptr + row * TOP_K, rw_ptr + row * TOP_K, N,
                           scaling, TOP_K, BLOCK_E, BLOCK_TK)
+
+
+@triton.jit
+def _w_tile(w_rows, k, n_ok, K, stride_wk, up_off, GLU: tl.constexpr):
+    """The weights of K columns k: W rows [BN, BK] (and with GLU the up rows, up_off further)."""
+    w_mask = n_ok[:, None] & (k < K)[None, :]
+    w = tl.load(w_rows + k[None, :] * stride_wk, mask=w_mask, other=0.0)                # [BN, BK]
+    u = w
+    if GLU:
+        u = tl.load(w_rows + up_off + k[None, :] * stride_wk, mask=w_mask, other=0.0)   # [BN, BK]
+    return w, u
+
+
+@triton.jit
+def _x_tile(acc3, acc3_up, ss, w, u, x_rows, k, m, m_ok, K, x_ptr, res_ptr, stride_rm, nw_ptr,
+            NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr):
+    """acc3 (acc3_up) += x[:, k] times the tile's W (up) rows; with NORM x is the normed h
+    (without its 1/rms, which is applied after the loop) and ss gets the sums of h^2."""
+    x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+    if NORM:
+        if HAS_RES:  # h in x's dtype, as the residual stream stores it
+            r = tl.load(res_ptr + m[:, None] * stride_rm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
+                        other=0.0).to(tl.float32)
+            x = (x + r).to(x_ptr.dtype.element_ty).to(tl.float32)
+        ss += x * x
+        x = x * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+    acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]                                   # [BM, BN, BK]
+    if GLU:
+        acc3_up += x[:, None, :] * u.to(tl.float32)[None, :, :]
+    return acc3, acc3_up, ss
 
 
 @triton.jit
@@ -335,5 +363,5 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
         ROPE=rope is not None, HEAD=rope[2] if rope else 1, ROPE_OFF=rope[3] if rope else 0,
         ROUTE=route is not None, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(n) if route else 1,
         BLOCK_TK=triton.next_power_of_2(top_k),
-        num_warps=num_warps, **pdl.args(pdl.on(x)))
+        PRELOAD=PRELOAD, num_warps=num_warps, **pdl.args(pdl.on(x)))
     return out
