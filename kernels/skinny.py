@@ -88,22 +88,22 @@ def _skinny_kernel(
     else:
         pdl.enter(PDL)
         w0, u0 = _w_tile(w_rows, kk, n_ok, K, stride_wk, N * stride_wn, GLU)
-    acc3 = tl.zeros([BM, BN, BK], tl.float32)
-    acc3_up = tl.zeros([BM, BN if GLU else 1, BK], tl.float32)
+    acc3 = tl.zeros([BN, BK] if BM == 1 else [BM, BN, BK], tl.float32)                   # (one x row: 2-D)
+    acc3_up = tl.zeros([BN if GLU else 1, BK] if BM == 1 else [BM, BN if GLU else 1, BK], tl.float32)
     ss = tl.zeros([BM, BK if NORM else 1], tl.float32)                                 # sums of h^2
     acc3, acc3_up, ss = _x_tile(acc3, acc3_up, ss, w0, u0, x_rows, kk, m, m_ok, K, x_ptr, res_ptr, stride_rm, nw_ptr,
-                                NORM, HAS_RES, GLU)
+                                BM, NORM, HAS_RES, GLU)
     for k0 in tl.range(BK, K, BK, num_stages=NUM_STAGES):
         w, u = _w_tile(w_rows, k0 + kk, n_ok, K, stride_wk, N * stride_wn, GLU)
         acc3, acc3_up, ss = _x_tile(acc3, acc3_up, ss, w, u, x_rows, k0 + kk, m, m_ok, K, x_ptr, res_ptr, stride_rm,
-                                    nw_ptr, NORM, HAS_RES, GLU)
-    acc = tl.sum(acc3, 2)                                                                 # [BM, BN]
+                                    nw_ptr, BM, NORM, HAS_RES, GLU)
+    acc = tl.reshape(tl.sum(acc3, 1), [1, BN]) if BM == 1 else tl.sum(acc3, 2)           # [BM, BN]
     rstd = tl.full([BM], 1.0, tl.float32)
     if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)                                    # [BM]
         acc = acc * rstd[:, None]
     if GLU:
-        up = tl.sum(acc3_up, 2) * rstd[:, None]
+        up = (tl.reshape(tl.sum(acc3_up, 1), [1, BN]) if BM == 1 else tl.sum(acc3_up, 2)) * rstd[:, None]
         acc = acc / (1.0 + tl.exp(-acc)) * up
     if ROPE:
         acc = _rope_cols(acc, n, m, m_ok, cos_ptr, sin_ptr, stride_cs, HEAD, ROPE_OFF, BM, BN)
@@ -148,7 +148,7 @@ def _w_tile(w_rows, k, n_ok, K, stride_wk, up_off, GLU: tl.constexpr):
 
 @triton.jit
 def _x_tile(acc3, acc3_up, ss, w, u, x_rows, k, m, m_ok, K, x_ptr, res_ptr, stride_rm, nw_ptr,
-            NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr):
+            BM: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr):
     """acc3 (acc3_up) += x[:, k] times the tile's W (up) rows; with NORM x is the normed h
     (without its 1/rms, which is applied after the loop) and ss gets the sums of h^2."""
     x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)  # [BM, BK]
@@ -159,9 +159,15 @@ def _x_tile(acc3, acc3_up, ss, w, u, x_rows, k, m, m_ok, K, x_ptr, res_ptr, stri
             x = (x + r).to(x_ptr.dtype.element_ty).to(tl.float32)
         ss += x * x
         x = x * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-    acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]                                   # [BM, BN, BK]
-    if GLU:
-        acc3_up += x[:, None, :] * u.to(tl.float32)[None, :, :]
+    if BM == 1:  # [BN, BK] products: each thread's W values are contiguous in K (vector loads)
+        xv = tl.reshape(x, [x.shape[1]])[None, :]                                           # [1, BK]
+        acc3 += xv * w.to(tl.float32)                                                       # [BN, BK]
+        if GLU:
+            acc3_up += xv * u.to(tl.float32)
+    else:
+        acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]                               # [BM, BN, BK]
+        if GLU:
+            acc3_up += x[:, None, :] * u.to(tl.float32)[None, :, :]
     return acc3, acc3_up, ss
 
 
