@@ -26,11 +26,7 @@ from kernels import fused_ops, skinny
 from kernels.moe import MarlinMoE, fused_moe, route, uses_gemv
 from kernels.skinny import heads_linear, linear
 
-SIDE_STREAM = True   # CUDA: the shared expert runs on a second stream (MoE.forward)
-# skinny + CUDA-core expert path: the whole shared expert on the side stream, added to the
-# routed rows by their k-sum launch (True), or only its gate/up GEMM there and its down GEMM
-# on the main stream with the k-sum in its epilogue (False); read at each call
-SHARED_DOWN_ON_SIDE = True
+SIDE_STREAM = True   # CUDA: the shared expert's gate/up GEMM runs on a second stream (MoE.forward)
 
 
 class Ops:
@@ -243,42 +239,27 @@ class MoE(nn.Module):
                 xf, res = norm(af, residual=res)                              # res += a; xf = norm(res)
             with phase("moe"):
                 ids, w = self.ops.route(xf, self.gate, self.bias, cfg.top_k, cfg.routed_scaling)  # [N, k]
-        if xp is not None:
-            y = self._routed_plus_shared(xf, ids, w, experts, xp)           # [N, H]
-        else:
-            with phase("moe"):
-                y = fused_moe(xf, ids, w, experts, self.backend)              # [N, H]
-            with phase("mlp"):
-                y = self.shared(xf, reduce=False, add=y)                      # routed + shared [N, H]
-        return self.comm.all_reduce(y).view(b, t, h), res.view(b, t, h)       # [B, T, H] each
-
-    def _routed_plus_shared(self, xf, ids, w, experts, xp):
-        """The skinny path (CUDA-core experts, x permuted by the router GEMM): the shared
-        expert does not depend on the routed ones, so it runs on a side stream beside them
-        (at 10 rows, cuBLAS path, the step was 5.5 ms slower with it: docs/BENCHMARKS.md);
-        with SHARED_DOWN_ON_SIDE the whole of it, and the routed k rows of each token and its
-        output are summed by one launch; else only its gate/up GEMM, and its down GEMM sums
-        the k rows in its epilogue."""
-        from kernels.moe_gemv import sum_rows
-
-        k = self.cfg.top_k
-        side = self.ops.side_stream(xf)
-        whole = SHARED_DOWN_ON_SIDE
+        # with xp (CUDA-core expert path, skinny path) the k expert rows of each token are
+        # summed in the shared expert's down GEMM, not by the MoE's own last launch
+        k_rows = cfg.top_k if xp is not None else 1
+        # the shared expert's gate/up GEMM does not depend on the routed experts: on the skinny
+        # path it runs on a side stream beside them (its time then overlaps the "moe" phase;
+        # at 10 rows, cuBLAS path, the step was 5.5 ms slower with it: docs/BENCHMARKS.md)
+        side = self.ops.side_stream(xf) if xp is not None else None
         if side is not None:
             main = torch.cuda.current_stream(xf.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                sh = self.shared(xf, reduce=False) if whole else self.shared.gate_up(xf)  # [N, H] / [N, I/tp]
+                act = self.shared.gate_up(xf)                                 # [N, I/tp]
         with phase("moe"):
-            rows = fused_moe(xf, ids, w, experts, self.backend, x_perm=xp, sum_k=False)  # [N * k, H] fp32
+            y = fused_moe(xf, ids, w, experts, self.backend, x_perm=xp, sum_k=k_rows == 1)  # [N * k_rows, H]
         with phase("mlp"):
             if side is None:
-                sh = self.shared(xf, reduce=False) if whole else self.shared.gate_up(xf)
+                act = self.shared.gate_up(xf)
             else:
                 main.wait_stream(side)
-            if whole:
-                return sum_rows(rows, k, xf.dtype, add=sh)                     # routed + shared [N, H]
-            return self.shared.down(sh, reduce=False, add=rows, add_rows=k)
+            y = self.shared.down(act, reduce=False, add=y, add_rows=k_rows)   # routed + shared [N, H]
+        return self.comm.all_reduce(y).view(b, t, h), res.view(b, t, h)       # [B, T, H] each
 
 
 class Block(nn.Module):

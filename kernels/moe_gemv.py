@@ -233,35 +233,16 @@ def store_permuted(dst_row, k, x, ok):
 
 
 @triton.jit
-def _sum_k_kernel(y_ptr, add_ptr, out_ptr, H, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                  HAS_ADD: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = sum over the k rows of token t in y fp32 `[T*k, H]` (+ add[t], `[T, H]` any
-    dtype), cast to out's dtype."""
+def _sum_k_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
+    """out[t] = sum over the k rows of token t in y fp32 `[T*k, H]`, cast to out's dtype."""
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, KP)
     y = tl.load(y_ptr + (t * TOP_K + j)[:, None] * H + c[None, :], mask=(j < TOP_K)[:, None] & (c < H)[None, :],
                 other=0.0)
-    acc = tl.sum(y, 0)
-    if HAS_ADD:
-        acc += tl.load(add_ptr + t * H + c, mask=c < H, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + c, acc.to(out_ptr.dtype.element_ty), mask=c < H)
-
-
-def sum_rows(y: torch.Tensor, top_k: int, dtype: torch.dtype, add: torch.Tensor | None = None) -> torch.Tensor:
-    """The k weighted expert rows of each token summed: y fp32 `[T*k, H]` (`fused_moe_gemv`
-    with sum_k False) -> `[T, H]` in dtype, plus add `[T, H]` (contiguous, any dtype) if given."""
-    rows, h = y.shape
-    t = rows // top_k
-    if add is not None and (tuple(add.shape) != (t, h) or not add.is_contiguous()):
-        raise ValueError(f"sum_rows: add must be a contiguous [{t}, {h}], got {tuple(add.shape)}")
-    out = torch.empty(t, h, dtype=dtype, device=y.device)
-    block = min(1024, triton.next_power_of_2(h))
-    _sum_k_kernel[(t, triton.cdiv(h, block))](y, add if add is not None else y, out, h, TOP_K=top_k,
-                                               KP=triton.next_power_of_2(top_k), BLOCK=block,
-                                               HAS_ADD=add is not None, num_warps=4, **pdl.args(pdl.on(y)))
-    return out
+    tl.store(out_ptr + t * H + c, tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=c < H)
 
 
 def gemv_splits(blocks: int, col_tiles: int, k_steps: int, n_sms: int) -> int:
@@ -347,10 +328,17 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     `[T*k, 2I]`, else its partials `[S, T*k, 2I]`), w2, sum over k -> `[T, H]` in dtype;
     without sum_k the weighted rows fp32 `[T*k, H]` (row t*k + j: slot j of token t)."""
     t, k = topk_ids.shape
+    h = w.hidden
     ids = topk_ids.reshape(-1).to(torch.int32)
     act = mid if mid.dim() == 2 else permute_rows(mid, _flat_weights(topk_weights), mid.shape[0])   # [T*k, 2I]
     y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
-    return sum_rows(y[0], k, dtype) if sum_k else y[0]
+    if not sum_k:
+        return y[0]
+    out = torch.empty(t, h, dtype=dtype, device=mid.device)
+    block = min(1024, triton.next_power_of_2(h))
+    _sum_k_kernel[(t, triton.cdiv(h, block))](y, out, h, TOP_K=k, KP=triton.next_power_of_2(k), BLOCK=block,
+                                               num_warps=4, **pdl.args(pdl.on(y)))
+    return out
 
 
 def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg,

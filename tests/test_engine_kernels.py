@@ -123,7 +123,6 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     GEMMs, q's rope in wq_b, the sum over the k expert rows in the shared down GEMM give the
     logits and cache of the torch ops (mla_a_post stays one launch per layer). With
     skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again."""
-    from engine import model
     from kernels import fused_ops, moe_gemv, skinny
 
     monkeypatch.setattr(skinny, "MAX_ROWS", max_rows)
@@ -136,9 +135,9 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
                       (fused_ops, "silu_mul"), (fused_ops, "rope_"), (fused_ops, "route"), (fused_ops, "mla_a_post")):
         fn = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _fn(*a, **k))
-    rows = moe_gemv.sum_rows   # counts the launches that sum the k expert rows (_sum_k_kernel)
-    monkeypatch.setattr(moe_gemv, "sum_rows", lambda *a, **k: calls.__setitem__("sum_k", calls["sum_k"] + 1)
-                        or rows(*a, **k))
+    w2 = moe_gemv.gemv_w2   # counts the MoE's own sums over k (the _sum_k launch)
+    monkeypatch.setattr(moe_gemv, "gemv_w2", lambda *a, sum_k=True: calls.__setitem__("sum_k", calls["sum_k"] + sum_k)
+                        or w2(*a, sum_k=sum_k))
     ref, tri = _small_inter_models(torch.float32, DEV)
     (want, c0), (got, c1) = _decode_step(ref), _decode_step(tri)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -150,10 +149,8 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     # folds it into w13) the w2 input per MoE layer
     act = 0 if getattr(moe_gemv, "FUSE_ACT", False) else 1
     if max_rows:  # 2 norms per block fused (the final norm stays); the MoE permutes only its w2 input
-        # the fused model sums the k rows with the shared expert's output (SHARED_DOWN_ON_SIDE)
-        # or in the shared expert's down GEMM
         want = {"norm_linear": 2 * cfg.n_layers, "permute_rows": n_moe + 2 * act * n_moe, "rms_norm": 1, "silu_mul": 0,
-                "rope_": 0, "sum_k": n_moe * (1 + model.SHARED_DOWN_ON_SIDE),
+                "rope_": 0, "sum_k": n_moe,
                 # FUSE_ROUTE: the gate GEMM's last program routes (no route launch per MoE layer)
                 "route": 0 if fuse else n_moe, "mla_a_post": cfg.n_layers}
     else:

@@ -289,18 +289,3 @@ def test_gemv_fused_act_bf16_k26_graph(monkeypatch):
             assert _counters_zero(x)
             assert torch.equal(out, run(False)), (tokens, rep)
     assert default_config(1, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden).block_m == 1
-
-
-@pytest.mark.parametrize("tokens,k,with_add", [(1, 8, True), (3, 4, True), (2, 6, False)])
-def test_sum_rows_adds_k_rows_and_add(tokens, k, with_add):
-    """moe_gemv.sum_rows: each token's k fp32 rows summed (+ its add row, another dtype), cast."""
-    from kernels.moe_gemv import sum_rows
-
-    g = torch.Generator().manual_seed(tokens * k)
-    y = torch.randn(tokens * k, 1300, generator=g).to(DEV)
-    add = torch.randn(tokens, 1300, generator=g).to(torch.float16).to(DEV) if with_add else None
-    want = y.view(tokens, k, -1).sum(1) + (add.float() if with_add else 0)
-    got = sum_rows(y, k, torch.float32, add=add)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="add"):
-        sum_rows(y, k, torch.float32, add=torch.zeros(tokens + 1, 1300, device=DEV))

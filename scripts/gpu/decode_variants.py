@@ -33,7 +33,6 @@ OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "shared expert stream": [("engine.model", "SIDE_STREAM", False)],
     "attention chunks 32 capped": [("kernels.mla_attn", "MIN_CHUNK", 64), ("kernels.mla_attn", "MAX_CHUNKS", 0)],
     "skinny preload": [("kernels.skinny", "PRELOAD", False)],
-    "shared down on side": [("engine.model", "SHARED_DOWN_ON_SIDE", False)],
 }
 _gemv = importlib.import_module("kernels.moe_triton").TILE_TABLE
 _row0 = _gemv[0]
