@@ -5,10 +5,10 @@ random weights (LAYERS blocks, default 3: the dense layer and two MoE layers), p
 tokens, runs two eager steps, then one step between cudaProfilerStart/Stop (without PDL, so
 each kernel's time is its own). Run under `ncu --profile-from-start off --page raw --csv`
 (scripts/gpu/decode_ncu.sh).
-python3 scripts/gpu/decode_ncu.py summary NCU_CSV OUT_CSV: per kernel of the second MoE layer
-(the last LAYERS-th of the step, so no first-call effects): duration, DRAM bytes and share of
-peak, achieved occupancy, issue-slot use, registers, grid, and the two largest warp stall
-reasons, as a table and OUT_CSV.
+python3 scripts/gpu/decode_ncu.py summary NCU_CSV OUT_CSV: per kernel of the profiled step, in
+launch order (the last MoE layer's kernels are the ones to read: no first-call effects):
+duration, DRAM rate and share of peak, achieved occupancy, issue-slot use, warp instructions,
+registers, grid, and the two largest warp stall reasons, as a table and OUT_CSV.
 """
 import io
 import sys
