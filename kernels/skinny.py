@@ -88,22 +88,23 @@ def _skinny_kernel(
     else:
         pdl.enter(PDL)
         w0, u0 = _w_tile(w_rows, kk, n_ok, K, stride_wk, N * stride_wn, GLU)
-    acc3 = tl.zeros([BN, BK] if BM == 1 else [BM, BN, BK], tl.float32)                   # (one x row: 2-D)
-    acc3_up = tl.zeros([BN if GLU else 1, BK] if BM == 1 else [BM, BN if GLU else 1, BK], tl.float32)
+    # per-K products, summed over K after the loop (`_k_sum`): [BN, BK] for one x row, else [BM, BN, BK]
+    prod = tl.zeros([BN, BK] if BM == 1 else [BM, BN, BK], tl.float32)
+    prod_up = tl.zeros([BN if GLU else 1, BK] if BM == 1 else [BM, BN if GLU else 1, BK], tl.float32)
     ss = tl.zeros([BM, BK if NORM else 1], tl.float32)                                 # sums of h^2
-    acc3, acc3_up, ss = _x_tile(acc3, acc3_up, ss, w0, u0, x_rows, kk, m, m_ok, K, x_ptr, res_ptr, stride_rm, nw_ptr,
+    prod, prod_up, ss = _x_tile(prod, prod_up, ss, w0, u0, x_rows, kk, m, m_ok, K, x_ptr, res_ptr, stride_rm, nw_ptr,
                                 BM, NORM, HAS_RES, GLU)
     for k0 in tl.range(BK, K, BK, num_stages=NUM_STAGES):
         w, u = _w_tile(w_rows, k0 + kk, n_ok, K, stride_wk, N * stride_wn, GLU)
-        acc3, acc3_up, ss = _x_tile(acc3, acc3_up, ss, w, u, x_rows, k0 + kk, m, m_ok, K, x_ptr, res_ptr, stride_rm,
+        prod, prod_up, ss = _x_tile(prod, prod_up, ss, w, u, x_rows, k0 + kk, m, m_ok, K, x_ptr, res_ptr, stride_rm,
                                     nw_ptr, BM, NORM, HAS_RES, GLU)
-    acc = tl.reshape(tl.sum(acc3, 1), [1, BN]) if BM == 1 else tl.sum(acc3, 2)           # [BM, BN]
+    acc = _k_sum(prod, BM, BN)                                                            # [BM, BN]
     rstd = tl.full([BM], 1.0, tl.float32)
     if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)                                    # [BM]
         acc = acc * rstd[:, None]
     if GLU:
-        up = (tl.reshape(tl.sum(acc3_up, 1), [1, BN]) if BM == 1 else tl.sum(acc3_up, 2)) * rstd[:, None]
+        up = _k_sum(prod_up, BM, BN) * rstd[:, None]
         acc = acc / (1.0 + tl.exp(-acc)) * up
     if ROPE:
         acc = _rope_cols(acc, n, m, m_ok, cos_ptr, sin_ptr, stride_cs, HEAD, ROPE_OFF, BM, BN)
@@ -147,9 +148,9 @@ def _w_tile(w_rows, k, n_ok, K, stride_wk, up_off, GLU: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(acc3, acc3_up, ss, w, u, x_rows, k, m, m_ok, K, x_ptr, res_ptr, stride_rm, nw_ptr,
+def _x_tile(prod, prod_up, ss, w, u, x_rows, k, m, m_ok, K, x_ptr, res_ptr, stride_rm, nw_ptr,
             BM: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr):
-    """acc3 (acc3_up) += x[:, k] times the tile's W (up) rows; with NORM x is the normed h
+    """prod (prod_up) += x[:, k] times the tile's W (up) rows; with NORM x is the normed h
     (without its 1/rms, which is applied after the loop) and ss gets the sums of h^2."""
     x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)  # [BM, BK]
     if NORM:
@@ -161,14 +162,24 @@ def _x_tile(acc3, acc3_up, ss, w, u, x_rows, k, m, m_ok, K, x_ptr, res_ptr, stri
         x = x * tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
     if BM == 1:  # [BN, BK] products: each thread's W values are contiguous in K (vector loads)
         xv = tl.reshape(x, [x.shape[1]])[None, :]                                           # [1, BK]
-        acc3 += xv * w.to(tl.float32)                                                       # [BN, BK]
+        prod += xv * w.to(tl.float32)                                                       # [BN, BK]
         if GLU:
-            acc3_up += xv * u.to(tl.float32)
+            prod_up += xv * u.to(tl.float32)
     else:
-        acc3 += x[:, None, :] * w.to(tl.float32)[None, :, :]                               # [BM, BN, BK]
+        prod += x[:, None, :] * w.to(tl.float32)[None, :, :]                               # [BM, BN, BK]
         if GLU:
-            acc3_up += x[:, None, :] * u.to(tl.float32)[None, :, :]
-    return acc3, acc3_up, ss
+            prod_up += x[:, None, :] * u.to(tl.float32)[None, :, :]
+    return prod, prod_up, ss
+
+
+@triton.jit
+def _k_sum(prod, BM: tl.constexpr, BN: tl.constexpr):
+    """`_x_tile`'s products summed over K -> [BM, BN]."""
+    if BM == 1:
+        acc = tl.reshape(tl.sum(prod, 1), [1, BN])
+    else:
+        acc = tl.sum(prod, 2)
+    return acc
 
 
 @triton.jit
