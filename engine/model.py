@@ -219,19 +219,19 @@ class MoE(nn.Module):
 
     def forward(self, a, res, norm: RMSNorm):
         """-> (moe(norm(res + a)), res + a). Where the ops fuse it, the norm rides in the
-        router's gate GEMM, which also writes the normed x, for the CUDA-core expert path x in
-        that path's activation order (saves its permute launch) and, with skinny.FUSE_ROUTE,
+        router's gate GEMM, which also writes the normed x and, for the CUDA-core expert path, its
+        fp16 copy, that path's input (saves its cast launch) and, with skinny.FUSE_ROUTE,
         routes the tokens in its last program (saves the route launch)."""
         b, t, h = a.shape
         cfg, experts = self.cfg, self.experts()
         af, res = a.reshape(b * t, h), res.reshape(b * t, h)                  # [N, H]
-        xp = None
+        xh = None
         if self.ops.fuses(af, self.gate):
             with phase("moe"):
-                want_xp = self.backend == "triton" and uses_gemv(b * t, cfg.top_k, experts, af.device)
+                want_xh = self.backend == "triton" and uses_gemv(b * t, cfg.top_k, experts, af.device)
                 route = (self.bias, cfg.top_k, cfg.routed_scaling)
-                logits, res, xf, xp, *topk = skinny.norm_linear(af, norm.weight, norm.eps, self.gate, res,
-                                                                out_xn=True, out_xp=want_xp,
+                logits, res, xf, xh, *topk = skinny.norm_linear(af, norm.weight, norm.eps, self.gate, res,
+                                                                out_xn=True, out_xh=want_xh,
                                                                 route=route if skinny.FUSE_ROUTE else None)  # [N, E]
                 ids, w = topk or fused_ops.route(logits, *route)                  # [N, k] each
         else:
@@ -239,20 +239,20 @@ class MoE(nn.Module):
                 xf, res = norm(af, residual=res)                              # res += a; xf = norm(res)
             with phase("moe"):
                 ids, w = self.ops.route(xf, self.gate, self.bias, cfg.top_k, cfg.routed_scaling)  # [N, k]
-        # with xp (CUDA-core expert path, skinny path) the k expert rows of each token are
+        # with xh (CUDA-core expert path, skinny path) the k expert rows of each token are
         # summed in the shared expert's down GEMM, not by the MoE's own last launch
-        k_rows = cfg.top_k if xp is not None else 1
+        k_rows = cfg.top_k if xh is not None else 1
         # the shared expert's gate/up GEMM does not depend on the routed experts: on the skinny
         # path it runs on a side stream beside them (its time then overlaps the "moe" phase;
         # at 10 rows, cuBLAS path, the step was 5.5 ms slower with it: docs/BENCHMARKS.md)
-        side = self.ops.side_stream(xf) if xp is not None else None
+        side = self.ops.side_stream(xf) if xh is not None else None
         if side is not None:
             main = torch.cuda.current_stream(xf.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 act = self.shared.gate_up(xf)                                 # [N, I/tp]
         with phase("moe"):
-            y = fused_moe(xf, ids, w, experts, self.backend, x_perm=xp, sum_k=k_rows == 1)  # [N * k_rows, H]
+            y = fused_moe(xf, ids, w, experts, self.backend, x_half=xh, sum_k=k_rows == 1)  # [N * k_rows, H]
         with phase("mlp"):
             if side is None:
                 act = self.shared.gate_up(xf)

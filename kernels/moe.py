@@ -58,10 +58,10 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MarlinMoE,
-              backend: str = "torch", x_perm: torch.Tensor | None = None, sum_k: bool = True) -> torch.Tensor:
+              backend: str = "torch", x_half: torch.Tensor | None = None, sum_k: bool = True) -> torch.Tensor:
     """The MoE GEMM; `backend` is 'torch' (reference) or 'triton'. Two options of the
-    CUDA-core path only (triton backend where `uses_gemv`; x_perm is ignored elsewhere):
-    x_perm, x already in that path's activation order (`kernels.moe_gemv.permute_rows(x)`),
+    CUDA-core path only (triton backend where `uses_gemv`; x_half is ignored elsewhere):
+    x_half, x already in that path's activation format (`kernels.moe_gemv.half_rows(x)`: fp16),
     saves its first launch; sum_k=False returns the k weighted rows per token, fp32
     `[T*k, H]` (row t*k + j), for the caller to sum (saves its last launch)."""
     if not sum_k and not (backend == "triton" and uses_gemv(topk_ids.shape[0], topk_ids.shape[1], w, x.device)):
@@ -71,17 +71,17 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if backend == "triton":
         from kernels.moe_triton import check_inputs, fused_moe_triton
 
-        if x_perm is not None or not sum_k:
+        if x_half is not None or not sum_k:
             cfg = _default_config(topk_ids.shape[0], topk_ids.shape[1], w, x.device)
             if cfg.gemv:
                 from kernels.moe_gemv import fused_moe_gemv
                 from kernels.moe_triton import sm_count
 
                 check_inputs(x, topk_ids, topk_weights, w, cfg)
-                if x_perm is not None and (x_perm.shape != (x.shape[0], 2 * x.shape[1]) or x_perm.dtype != torch.float32):
-                    raise ValueError(f"x_perm must be fp32 [{x.shape[0]}, {2 * x.shape[1]}], got "
-                                     f"{x_perm.dtype} {tuple(x_perm.shape)}")
-                return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device), x_perm, sum_k)
+                if x_half is not None and (x_half.shape != x.shape or x_half.dtype != torch.float16):
+                    raise ValueError(f"x_half must be fp16 {list(x.shape)}, got "
+                                     f"{x_half.dtype} {tuple(x_half.shape)}")
+                return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device), x_half, sum_k)
         return fused_moe_triton(x, topk_ids, topk_weights, w)
     raise ValueError(f"unknown MoE backend {backend!r}; choose torch or triton")
 
@@ -94,7 +94,7 @@ def _default_config(tokens: int, top_k: int, w: MarlinMoE, device):
 
 def uses_gemv(tokens: int, top_k: int, w: MarlinMoE, device) -> bool:
     """Whether the triton backend runs `tokens` tokens on the CUDA-core path (kernels.moe_gemv),
-    the one that takes `fused_moe(..., x_perm=)`."""
+    the one that takes `fused_moe(..., x_half=)`."""
     return _default_config(tokens, top_k, w, device).gemv
 
 

@@ -3,30 +3,33 @@
 At decode and small-tree verify sizes each expert sees one or a few tokens, so a tensor-core
 tile is mostly padding and the cost is turning nibbles into mma operands (docs/notes/moe.md).
 Here each word is consumed where it is loaded: its 8 nibbles are 4 K rows x 2 columns of the
-Marlin tile (DESIGN §4), so a thread multiplies them by the 4 matching activations and adds
-into the 2 columns; the sum over K rows happens once, after the loop. Same maths as
-`kernels.moe.fused_moe_ref`, fp32 throughout, no atomics (bit-for-bit repeatable).
+Marlin tile (DESIGN §4), multiplied by the 4 matching activations in packed half precision
+(two values an instruction) and added into the 2 columns; the sum over K rows happens once,
+after the loop. Same maths as `kernels.moe.fused_moe_ref`, no atomics (bit-for-bit repeatable).
 
 Word `[kt, nb*128 + (4g + t)*4 + tile]` holds nibbles i = 4*kodd + 2*bn + bk: K row
-16kt + 2t + kodd + 8bk, column 64nb + 16tile + g + 8bn. A program's word tile is
-`[8, BN/2]`: rows r = (kt, t) for the two k-tiles of one 32-row step (one scale group),
-columns j = (nb, g, tile). Dequantization without shifts: `(w & (0xF << 4i)) | 0x4B000000`
-read as fp32 is 2^23 + 16^i q exactly (for i <= 4; nibbles 5-7 after one `w >> 12`, as
-16^2..16^4 q), so one AND-OR (one LOP3: the magic is a kernel argument, so it sits in a
-register and the mask is the immediate) and one subtraction give 16^i (q - 8); the 16^-i
-goes into the activation instead (scale group sizes are constexprs: no division per step).
-The activations are first permuted (fp32, each twice, premultiplied by 16^-i) so that each
-step's 8 x 8 values are contiguous:
-then every load in the loop is 4-byte and contiguous, which Triton pipelines with cp.async.
+16kt + 2t + kodd + 8bk, column 64nb + 16tile + g + 8bn. Nibbles i and i + 4 are the K rows
+2t and 2t + 1 (bk = 0) or 2t + 8 and 2t + 9 (bk = 1) of one column, at bits 4i and 4i + 16:
+one AND-OR (LOP3) with 0x64006400 makes them an fp16 pair 1024 + q (or 1024 + 16q for the odd
+nibbles), one packed subtract (fma) gives q - 8 exactly. The activations are fp16 in their
+natural order: the pair (x[16kt + 2t], x[16kt + 2t + 1]) is the int32 at 8kt + t and
+(x[.. + 8], x[.. + 9]) the one at 8kt + t + 4, so a word costs 4 LOP3, 4 HSUB2/HFMA2 and 4
+HFMA2 for its 8 products, whose two halves per column are added and widened to fp32 (the
+scale and the sum over K are fp32). The packed maths is inline PTX (`_word_dot`); the CPU
+interpreter, which cannot run PTX, takes the same nibbles and halves in fp32.
+A program's word tile is `[8, BN/2]`: rows r = (kt, t) for the two k-tiles of one 32-row
+step (one scale group), columns j = (nb, g, tile).
 
-Launches (`fused_moe_gemv`): permute x; w13 (one program per row block, column tile and K
-split; fp32 partial sums per split); SiLU(gate) * up * top-k weight, permuted; w2 (one row
+Launches (`fused_moe_gemv`): x to fp16; w13 (one program per row block, column tile and K
+split; fp32 partial sums per split); SiLU(gate) * up * top-k weight in fp16; w2 (one row
 per assignment); sum over k and cast. `block_m == 1`: a row block is one assignment, no sorting,
 and (FUSE_ACT) the SiLU launch is folded into w13: the last of an assignment's programs to
 finish (kernels.ticket) computes that assignment's act row. `block_m > 1`: assignments sorted
 by expert (`moe_triton.align_tokens`), so an expert's words are read once for its rows.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -44,33 +47,67 @@ ACT_BLOCK = 512  # act columns per step of that program's loop over I
 SPLIT_PROGRAMS_PER_SM = 4
 MAX_SPLITS = 16
 
+# word -> the fp16 pairs (q - 8) of nibbles (0, 4), (1, 5), (2, 6), (3, 7) as int32
+_DEQUANT_PTX = tl.constexpr("""{
+.reg .b32 m, s, c, k, b;
+mov.b32 m, 0x64006400;
+mov.b32 c, 0x64086408;
+mov.b32 k, 0x2c002c00;
+mov.b32 b, 0xd480d480;
+shr.u32 s, $4, 8;
+lop3.b32 $0, $4, 0x000f000f, m, 0xea;
+lop3.b32 $1, $4, 0x00f000f0, m, 0xea;
+lop3.b32 $2, s, 0x000f000f, m, 0xea;
+lop3.b32 $3, s, 0x00f000f0, m, 0xea;
+sub.rn.f16x2 $0, $0, c;
+fma.rn.f16x2 $1, $1, k, b;
+sub.rn.f16x2 $2, $2, c;
+fma.rn.f16x2 $3, $3, k, b;
+}""")
+# (pairs p0..p3, activation pairs xa, xb) -> fp32 (column g, column g + 8)
+_DOT_PTX = tl.constexpr("""{
+.reg .b32 lo, hi;
+.reg .f16 a, b;
+mul.rn.f16x2 lo, $2, $6;
+fma.rn.f16x2 lo, $3, $7, lo;
+mul.rn.f16x2 hi, $4, $6;
+fma.rn.f16x2 hi, $5, $7, hi;
+mov.b32 {a, b}, lo;
+add.rn.f16 a, a, b;
+cvt.f32.f16 $0, a;
+mov.b32 {a, b}, hi;
+add.rn.f16 a, a, b;
+cvt.f32.f16 $1, a;
+}""")
+
 
 @triton.jit
-def _nib(w, magic, MASK: tl.constexpr, BIAS: tl.constexpr):
-    """The nibble under MASK (0xF << 4i) as fp32 16^i * (q - 8), exactly (magic: 0x4B000000)."""
-    return ((w & MASK) | magic).to(tl.float32, bitcast=True) - BIAS
+def _half(v, HIGH: tl.constexpr):
+    """The low or high fp16 of int32 v, as fp32 (interpreter path of `_word_dot`)."""
+    bits = (v >> 16) & 0xFFFF if HIGH else v & 0xFFFF
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _word_dot(w, magic, v0, v1, v2, v3, v4, v5, v6, v7):
-    """Words `[8, C]` times activations -> (lo, hi) `[BM, 8, C]`.
+def _q(w, SHIFT: tl.constexpr):
+    """Nibble at bit SHIFT as fp32 q - 8 (interpreter path of `_word_dot`)."""
+    return ((w >> SHIFT) & 0xF).to(tl.float32) - 8.0
 
-    v_i `[BM, 8]` is row r's activation for nibble i, premultiplied by 16^-i' where 16^i'
-    is the factor nibble i comes out with (`permute_rows`); lo is column g of each word's
-    pair, hi column g + 8 (still to be summed over the 8 rows).
-    """
-    M: tl.constexpr = 8388608.0                               # 2^23
-    hi_w = w >> 12                                            # nibbles 5..7 at bits 8..19
-    f0 = _nib(w, magic, 0xF, M + 8.0)[None, :, :]             # (2t,   g)     x 1
-    f1 = _nib(w, magic, 0xF0, M + 128.0)[None, :, :]          # (2t+8, g)     x 16
-    f2 = _nib(w, magic, 0xF00, M + 2048.0)[None, :, :]        # (2t,   g+8)   x 256
-    f3 = _nib(w, magic, 0xF000, M + 32768.0)[None, :, :]      # (2t+8, g+8)   x 4096
-    f4 = _nib(w, magic, 0xF0000, M + 524288.0)[None, :, :]    # (2t+1, g)     x 65536
-    f5 = _nib(hi_w, magic, 0xF00, M + 2048.0)[None, :, :]     # (2t+9, g)     x 256
-    f6 = _nib(hi_w, magic, 0xF000, M + 32768.0)[None, :, :]   # (2t+1, g+8)   x 4096
-    f7 = _nib(hi_w, magic, 0xF0000, M + 524288.0)[None, :, :]  # (2t+9, g+8)   x 65536
-    lo = v0[:, :, None] * f0 + v1[:, :, None] * f1 + v4[:, :, None] * f4 + v5[:, :, None] * f5
-    hi = v2[:, :, None] * f2 + v3[:, :, None] * f3 + v6[:, :, None] * f6 + v7[:, :, None] * f7
+
+@triton.jit
+def _word_dot(w, xa, xb, PTX: tl.constexpr):
+    """Words `[1, 8, C]` times the activation pairs xa, xb `[BM, 8, 1]` (int32: two fp16 each)
+    -> (lo, hi) fp32 `[BM, 8, C]`: column g and g + 8 of each word's 4 K rows (still to be
+    scaled and summed over the 8 word rows)."""
+    if PTX:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(_DEQUANT_PTX, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4,
+                                                   is_pure=True, pack=1)
+        lo, hi = tl.inline_asm_elementwise(_DOT_PTX, "=f,=f,r,r,r,r,r,r", [p0, p1, p2, p3, xa, xb],
+                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        a0, a1, b0, b1 = _half(xa, False), _half(xa, True), _half(xb, False), _half(xb, True)
+        lo = (_q(w, 0) * a0 + _q(w, 16) * a1) + (_q(w, 4) * b0 + _q(w, 20) * b1)
+        hi = (_q(w, 8) * a0 + _q(w, 24) * a1) + (_q(w, 12) * b0 + _q(w, 28) * b1)
     return lo, hi
 
 
@@ -98,22 +135,16 @@ def _scales(s_row, sc_pair, PER_CHANNEL: tl.constexpr, n_lo):
 
 
 @triton.jit
-def _step(acc_lo, acc_hi, a_ptrs, a_mask, w_e, s_e, ks, wrow, wcol, sc_pair, n_lo, stride_wk, stride_sg, magic,
-          GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """acc `[BM, 8, C]` += one 32-row step (K rows 32ks..): activations from the permuted
-    rows `a_ptrs` `[BM, 8]` (this step's 8 x 8 values), words of the expert, group scales."""
-    a = a_ptrs + ks * 64
-    v0 = tl.load(a, mask=a_mask, other=0.0)                                       # [BM, 8]
-    v1 = tl.load(a + 8, mask=a_mask, other=0.0)
-    v2 = tl.load(a + 16, mask=a_mask, other=0.0)
-    v3 = tl.load(a + 24, mask=a_mask, other=0.0)
-    v4 = tl.load(a + 32, mask=a_mask, other=0.0)
-    v5 = tl.load(a + 40, mask=a_mask, other=0.0)
-    v6 = tl.load(a + 48, mask=a_mask, other=0.0)
-    v7 = tl.load(a + 56, mask=a_mask, other=0.0)
+def _step(acc_lo, acc_hi, a_ptrs, a_mask, w_e, s_e, ks, wrow, wcol, sc_pair, n_lo, stride_wk, stride_sg,
+          GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, PTX: tl.constexpr):
+    """acc `[BM, 8, C]` += one 32-row step (K rows 32ks..): activation pairs at `a_ptrs`
+    `[BM, 8]` (int32, word row r's pair xa; xb is 4 further), words of the expert, group scales."""
+    a = a_ptrs + ks * 16
+    xa = tl.load(a, mask=a_mask, other=0)[:, :, None]                            # [BM, 8, 1]
+    xb = tl.load(a + 4, mask=a_mask, other=0)[:, :, None]
     w = tl.load(w_e + (2 * ks) * stride_wk + wrow[:, None] + wcol[None, :])      # [8, C] int32
     s_lo, s_hi = _scales(s_e + (32 * ks // GROUP) * stride_sg, sc_pair, PER_CHANNEL, n_lo)
-    lo, hi = _word_dot(w, magic, v0, v1, v2, v3, v4, v5, v6, v7)
+    lo, hi = _word_dot(w[None, :, :], xa, xb, PTX)
     return acc_lo + lo * s_lo, acc_hi + hi * s_hi
 
 
@@ -127,21 +158,22 @@ def _store_cols(ptrs, acc_lo, acc_hi, n_lo, valid):
 
 @triton.jit
 def _gemv_kernel(
-    a_ptr, w_ptr, s_ptr,                  # fp32 activations permuted [rows, K] (`permute_rows`); int32 words [E, K/16, 2N]; scales [E, K/g, N]
+    a_ptr, w_ptr, s_ptr,                  # fp16 activations [rows, K] seen as int32 pairs; int32 words [E, K/16, 2N]; scales [E, K/g, N]
     ids_ptr, sorted_ptr, block_expert_ptr, expert_start_ptr, counts_ptr,   # routing
     out_ptr,                              # [S, T*k, N]: one row per assignment and K split
-    act_ptr, topk_w_ptr, count_ptr,       # ACT: act fp32 [T*k, N] (GEMV order, K = N/2); weights fp32 [T*k]; tickets [T*k]
+    act_ptr, topk_w_ptr, count_ptr,       # ACT: act fp16 [T*k, N/2]; weights fp32 [T*k]; tickets [T*k]
     stride_a, stride_we, stride_wk, stride_se, stride_sg, stride_os, stride_oa, stride_act,
-    A_DIV, STEPS_PER_SPLIT, K_STEPS, magic,      # magic: 0x4B000000 (`_nib`; an argument so that it sits in a register)
+    A_DIV, STEPS_PER_SPLIT, K_STEPS,
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PER_CHANNEL: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ACT: tl.constexpr, ACT_BLOCK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr,
+    ACT: tl.constexpr, ACT_BLOCK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr, PTX: tl.constexpr,
 ):
     """Program (row block, column tile, K split). Row block = one assignment when BM == 1
     (expert from topk_ids), else BM sorted assignments of one expert; assignment a reads
     activation row a // A_DIV (A_DIV = k for x, 1 for the per-assignment act).
     ACT (w13, BM == 1): the last of assignment a's programs (column tiles x K splits) to store
-    its partials then writes a's act row, as `_permute_kernel` GATED would (SP: splits, next
-    power of two). PDL: launched as a dependent of the previous kernel (kernels.pdl)."""
+    its partials then writes a's act row, as `_half_kernel` GATED would (SP: splits, next
+    power of two). PDL: launched as a dependent of the previous kernel (kernels.pdl).
+    PTX: packed fp16 maths in inline PTX (False: the interpreter's fp32 version)."""
     pdl.enter(PDL)
     if BM == 1:
         a = tl.program_id(0)
@@ -159,13 +191,13 @@ def _gemv_kernel(
     sc_pair = (wcol // 128) * 32 + (wcol % 128) // 16 * 4 + wcol % 4   # scale pair (n_lo, n_lo + 8)
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se
-    a_ptrs = a_ptr + (assign // A_DIV).to(tl.int64)[:, None] * stride_a + r[None, :]   # [BM, 8]
+    a_ptrs = a_ptr + (assign // A_DIV).to(tl.int64)[:, None] * stride_a + ((r // 4) * 8 + r % 4)[None, :]  # [BM, 8]
     acc_lo = tl.zeros([BM, 8, BN // 2], tl.float32)
     acc_hi = tl.zeros([BM, 8, BN // 2], tl.float32)
     k_first = pid_k * STEPS_PER_SPLIT
     for ks in tl.range(k_first, tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT), num_stages=NUM_STAGES):
         acc_lo, acc_hi = _step(acc_lo, acc_hi, a_ptrs, valid[:, None], w_e, s_e, ks, wrow, wcol, sc_pair,
-                               n_lo, stride_wk, stride_sg, magic, GROUP, PER_CHANNEL)
+                               n_lo, stride_wk, stride_sg, GROUP, PER_CHANNEL, PTX)
     out = out_ptr + pid_k.to(tl.int64) * stride_os + assign.to(tl.int64)[:, None] * stride_oa
     _store_cols(out, acc_lo, acc_hi, n_lo, valid)
     if ACT:
@@ -178,18 +210,15 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _permute_kernel(
+def _half_kernel(
     src_ptr, dst_ptr, topk_w_ptr,
     stride_ss, stride_sr, stride_d,
     K, SPLITS,
     GATED: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Row `pid` of src -> dst `[2K]` in the order the GEMV reads: step s = k // 32 holds
-    64 values, 8 per nibble i of a word (`_word_dot`), each premultiplied by the inverse of
-    the factor 16^e that nibble comes out with. K row 16kt + 2t + kodd + 8bk (word row
-    r = 4kt + t, v = bk + 2kodd) feeds nibbles i = v + 2(v // 2) (column g) and i + 2
-    (column g + 8). GATED: src is w13's fp32 partials `[S, T*k, 2K]`, the row becomes
-    SiLU(sum gate) * sum up * top-k weight first. PDL: kernels.pdl."""
+    """Row `pid` of src -> fp16 dst `[K]`, the GEMV's activations. GATED: src is w13's fp32
+    partials `[S, T*k, 2K]`, the row becomes SiLU(sum gate) * sum up * top-k weight first.
+    PDL: kernels.pdl."""
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -197,16 +226,16 @@ def _permute_kernel(
         _act_cols(src_ptr + row * stride_sr, stride_ss, dst_ptr + row * stride_d, topk_w_ptr + row, k, K, SPLITS, SP)
     else:
         ok = k < K
-        x = tl.load(src_ptr + row * stride_sr + k, mask=ok).to(tl.float32)
-        store_permuted(dst_ptr + row * stride_d, k, x, ok)
+        x = tl.load(src_ptr + row * stride_sr + k, mask=ok)
+        tl.store(dst_ptr + row * stride_d + k, x.to(tl.float16), mask=ok)
 
 
 @triton.jit
 def _act_cols(part, stride_ss, dst_row, weight_ptr, k, K, SPLITS, SP: tl.constexpr):
     """Act values of K rows k (those < K) of one assignment: SiLU(gate) * up * its top-k weight,
     gate and up summed over w13's SPLITS fp32 partial rows `part` + s * stride_ss (columns k
-    and K + k), split by split in order (the same bits wherever it runs), stored in GEMV order
-    at dst_row. `.cg` loads (past L1): the partials may be other programs' (kernels.ticket)."""
+    and K + k), split by split in order (the same bits wherever it runs), stored as fp16 at
+    dst_row. `.cg` loads (past L1): the partials may be other programs' (kernels.ticket)."""
     ok = k < K
     g = tl.load(part + k, mask=ok, other=0.0, cache_modifier=".cg")
     u = tl.load(part + K + k, mask=ok, other=0.0, cache_modifier=".cg")
@@ -215,21 +244,7 @@ def _act_cols(part, stride_ss, dst_row, weight_ptr, k, K, SPLITS, SP: tl.constex
         g += tl.load(part + s * stride_ss + k, mask=m, other=0.0, cache_modifier=".cg")
         u += tl.load(part + s * stride_ss + K + k, mask=m, other=0.0, cache_modifier=".cg")
     x = g / (1.0 + tl.exp(-g)) * u * tl.load(weight_ptr).to(tl.float32)
-    store_permuted(dst_row, k, x, ok)
-
-
-@triton.jit
-def store_permuted(dst_row, k, x, ok):
-    """Store fp32 values x of K rows k (any shape; dst_row broadcasts against it) at their
-    two places in a `[2K]` GEMV-order row (`_permute_kernel`); also used by kernels.skinny."""
-    kk = k % 32
-    v = (kk % 16) // 8 + 2 * (kk % 2)
-    i_lo = v + 2 * (v // 2)
-    base = dst_row + 64 * (k // 32) + 4 * (kk // 16) + (kk % 8) // 2
-    e_lo = tl.where(v == 1, 1, tl.where(v == 2, 4, tl.where(v == 3, 2, 0)))      # nibbles 0, 1, 4, 5
-    e_hi = tl.where(v == 0, 2, tl.where(v == 3, 4, 3))                          # nibbles 2, 3, 6, 7
-    tl.store(base + 8 * i_lo, x * tl.exp2(-4.0 * e_lo.to(tl.float32)), mask=ok)
-    tl.store(base + 8 * (i_lo + 2), x * tl.exp2(-4.0 * e_hi.to(tl.float32)), mask=ok)
+    tl.store(dst_row + k, x.to(tl.float16), mask=ok)
 
 
 @triton.jit
@@ -252,16 +267,20 @@ def gemv_splits(blocks: int, col_tiles: int, k_steps: int, n_sms: int) -> int:
     return max(1, min(want, k_steps // 8, MAX_SPLITS))
 
 
-def permute_rows(src: torch.Tensor, topk_weights: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:
-    """Activations in the GEMV's step order (`_permute_kernel`), fp32 (4-byte loads are the
-    ones Triton pipelines): x `[T, K]` -> `[T, 2K]`; with topk_weights, w13's partials
-    `[S, T*k, 2K]` -> SiLU(gate)*up*weight `[T*k, 2K]`."""
+def _ptx(t: torch.Tensor) -> bool:
+    """Whether the kernels run compiled (inline PTX) rather than under the Triton interpreter."""
+    return t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def half_rows(src: torch.Tensor, topk_weights: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:
+    """The GEMV's activations, fp16 `[rows, K]` (`_half_kernel`): x `[T, K]` cast; with
+    topk_weights, w13's partials `[S, T*k, 2K]` -> SiLU(gate)*up*weight `[T*k, K]`."""
     gated = topk_weights is not None
     rows, k = (src.shape[1], src.shape[2] // 2) if gated else src.shape
-    dst = torch.empty(rows, 2 * k, dtype=torch.float32, device=src.device)
+    dst = torch.empty(rows, k, dtype=torch.float16, device=src.device)
     block = min(1024, triton.next_power_of_2(k))
     tw = topk_weights if gated else dst
-    _permute_kernel[(rows, triton.cdiv(k, block))](
+    _half_kernel[(rows, triton.cdiv(k, block))](
         src, dst, tw, src.stride(0) if gated else 0, src.stride(-2), dst.stride(0), k, splits,
         GATED=gated, SP=triton.next_power_of_2(splits), BLOCK=block, num_warps=4, **pdl.args(pdl.on(src)))
     return dst
@@ -269,10 +288,10 @@ def permute_rows(src: torch.Tensor, topk_weights: torch.Tensor | None = None, sp
 
 def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids: torch.Tensor, routing,
          n_assign: int, a_div: int, cfg, bn: int, split: int, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """One INT4 GEMM on the CUDA cores: permuted activations `a` -> fp32 `[split, n_assign, N]`
+    """One INT4 GEMM on the CUDA cores: fp16 activations `a` `[rows, K]` -> fp32 `[split, n_assign, N]`
     (rows of each assignment, one slice per K split; `routing` None = one block per assignment).
     topk_weights fp32 `[n_assign]` (w13, routing None): SiLU(gate) * up * weight fused in ->
-    the act fp32 `[n_assign, N]` instead (`permute_rows(out, topk_weights, split)`)."""
+    the act fp16 `[n_assign, N/2]` instead (`half_rows(out, topk_weights, split)`)."""
     k, n = w.shape[1] * 16, w.shape[2] // 2
     k_steps = k // STEP
     per_split = triton.cdiv(k_steps, split)
@@ -282,18 +301,18 @@ def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids
     route = (ids,) * 4 if routing is None else routing
     fuse = topk_weights is not None
     if fuse:
-        act = torch.empty(n_assign, n, dtype=torch.float32, device=a.device)   # [T*k, 2I]: GEMV order, K = I
+        act = torch.empty(n_assign, n // 2, dtype=torch.float16, device=a.device)   # [T*k, I]
         tw, count = topk_weights, ticket.counters(a.device, "moe_act", n_assign)
         act_block, sp = min(ACT_BLOCK, triton.next_power_of_2(n // 2)), triton.next_power_of_2(split)
     else:
         act = tw = count = out
         act_block, sp = 1, 1
     _gemv_kernel[(blocks, n // bn, split)](
-        a, w, scales, ids, *route, out, act, tw, count,
-        a.stride(0), w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
-        act.stride(0), a_div, per_split, k_steps, 0x4B000000,
+        a.view(torch.int32), w, scales, ids, *route, out, act, tw, count,
+        a.stride(0) // 2, w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
+        act.stride(0), a_div, per_split, k_steps,
         GROUP=group, BM=cfg.block_m, BN=bn, PER_CHANNEL=k == group, num_warps=cfg.num_warps, NUM_STAGES=cfg.num_stages,
-        ACT=fuse, ACT_BLOCK=act_block, SP=sp, **pdl.args(pdl.on(a)))
+        ACT=fuse, ACT_BLOCK=act_block, SP=sp, PTX=_ptx(a), **pdl.args(pdl.on(a)))
     return act if fuse else out
 
 
@@ -307,16 +326,16 @@ def _flat_weights(topk_weights: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_w13(x: torch.Tensor, topk_ids: torch.Tensor, routing, w, cfg, n_sms: int = 132,
-             x_perm: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Permute x (unless x_perm = `permute_rows(x)` is given), then w13: -> fp32 gate|up
+             x_half: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """x to fp16 (unless x_half = `half_rows(x)` is given), then w13: -> fp32 gate|up
     partial sums `[S, T*k, 2I]` (S K splits). With topk_weights, where the act can be fused
-    (FUSE_ACT, routing None, T*k <= ticket.MAX_COUNTERS): w2's input SiLU(gate)*up*weight
-    in GEMV order, fp32 `[T*k, 2I]`, from the same launch. `gemv_w2` takes either."""
+    (FUSE_ACT, routing None, T*k <= ticket.MAX_COUNTERS): w2's input SiLU(gate)*up*weight,
+    fp16 `[T*k, I]`, from the same launch. `gemv_w2` takes either."""
     t, k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32)
     blocks = t * k if routing is None else routing[1].numel()
     split = cfg.split_k or gemv_splits(blocks, 2 * w.inter // cfg.block_n13, w.hidden // STEP, n_sms)
-    a = permute_rows(x) if x_perm is None else x_perm
+    a = half_rows(x) if x_half is None else x_half
     fuse = topk_weights is not None and FUSE_ACT and routing is None and t * k <= ticket.MAX_COUNTERS
     return gemv(a, w.w13, w.w13_scale, w.group_size, ids, routing, t * k, k, cfg,
                 cfg.block_n13, split, _flat_weights(topk_weights) if fuse else None)
@@ -324,13 +343,13 @@ def gemv_w13(x: torch.Tensor, topk_ids: torch.Tensor, routing, w, cfg, n_sms: in
 
 def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, routing, w, cfg,
             dtype: torch.dtype, sum_k: bool = True) -> torch.Tensor:
-    """SiLU(gate)*up*weight permuted (unless `gemv_w13` fused it: mid is then the act
-    `[T*k, 2I]`, else its partials `[S, T*k, 2I]`), w2, sum over k -> `[T, H]` in dtype;
+    """SiLU(gate)*up*weight in fp16 (unless `gemv_w13` fused it: mid is then the act
+    `[T*k, I]`, else its partials `[S, T*k, 2I]`), w2, sum over k -> `[T, H]` in dtype;
     without sum_k the weighted rows fp32 `[T*k, H]` (row t*k + j: slot j of token t)."""
     t, k = topk_ids.shape
     h = w.hidden
     ids = topk_ids.reshape(-1).to(torch.int32)
-    act = mid if mid.dim() == 2 else permute_rows(mid, _flat_weights(topk_weights), mid.shape[0])   # [T*k, 2I]
+    act = mid if mid.dim() == 2 else half_rows(mid, _flat_weights(topk_weights), mid.shape[0])   # [T*k, I]
     y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
     if not sum_k:
         return y[0]
@@ -342,9 +361,9 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg,
-                   n_sms: int = 132, x_perm: torch.Tensor | None = None, sum_k: bool = True) -> torch.Tensor:
+                   n_sms: int = 132, x_half: torch.Tensor | None = None, sum_k: bool = True) -> torch.Tensor:
     """x `[T, H]`, routing `[T, k]`, `MarlinMoE` -> `[T, H]` in x's dtype, on the CUDA cores.
-    x_perm: `permute_rows(x)` if the caller already has it (kernels.skinny.norm_linear writes it).
+    x_half: `half_rows(x)` if the caller already has it (kernels.skinny.norm_linear writes it).
     sum_k False: the k weighted rows per token, fp32 `[T*k, H]`, for the caller to sum.
 
     cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting, act fused into w13
@@ -352,5 +371,5 @@ def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     num_warps, num_stages.
     """
     routing = gemv_routing(topk_ids, w, cfg)
-    mid = gemv_w13(x, topk_ids, routing, w, cfg, n_sms, x_perm, topk_weights)
+    mid = gemv_w13(x, topk_ids, routing, w, cfg, n_sms, x_half, topk_weights)
     return gemv_w2(mid, topk_ids, topk_weights, routing, w, cfg, x.dtype, sum_k=sum_k)

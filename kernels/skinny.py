@@ -9,7 +9,7 @@ fp32 and reduces over BK once, after the loop. Other shapes go to `F.linear`.
 Fused into the same kernel for the decode step (each saves a launch of a few microseconds):
 an RMSNorm (+ residual add) prologue (`norm_linear`: the row's 1/rms is a per-row factor,
 summed over the same x tiles and applied after the loop; the programs also write the new
-residual, the normed row and its `moe_gemv` order, each a slice of the row), and
+residual, the normed row and its fp16 copy for `moe_gemv`, each a slice of the row), and
 epilogues: SiLU(gate) * up for [gate | up] weights (`glu`), interleaved rope on each head's
 rope columns (`rope`, MLA's q), and an add of the sum of several rows per output row
 (`add_rows`, the routed experts' k rows of a token added in the shared expert's down GEMM).
@@ -30,7 +30,6 @@ import triton.language as tl
 
 from kernels import pdl, ticket
 from kernels.fused_ops import route_row
-from kernels.moe_gemv import store_permuted
 from kernels.moe_triton import sm_count
 
 MAX_ROWS = 4
@@ -52,15 +51,15 @@ def _skinny_kernel(
     x_ptr, w_ptr, add_ptr, y_ptr,          # per batch b: x [M, K]; W [N, K] (GLU: [2N, K]; any strides); add, y [M, N]
     M, N, K, stride_xb, stride_xm, stride_wb, stride_wn, stride_wk, stride_ab, stride_am, stride_yb, stride_ym,
     # RMSNorm prologue (one batch): x := h / rms(h) * nw with h = res + x (or x); outputs of the
-    # whole rows, split over the programs: h [M, K], xn = the normed x [M, K], xp = xn in GEMV order [M, 2K]
-    res_ptr, nw_ptr, h_ptr, xn_ptr, xp_ptr, stride_rm, stride_hm, stride_xnm, stride_xpm, eps,
+    # whole rows, split over the programs: h [M, K], xn = the normed x [M, K], xh = xn in fp16, the MoE GEMV's input [M, K]
+    res_ptr, nw_ptr, h_ptr, xn_ptr, xh_ptr, stride_rm, stride_hm, stride_xnm, stride_xhm, eps,
     # rope epilogue (one batch): interleaved rope of columns ROPE_OFF.. of each HEAD-wide head, cos/sin [M, R/2]
     cos_ptr, sin_ptr, stride_cs,
     # route epilogue (one batch): y = gate logits [M, N]; bias [N] -> ids int32 [M, TOP_K], weights fp32 [M, TOP_K]
     bias_ptr, ids_ptr, rw_ptr, cnt_ptr, scaling,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
     HAS_ADD: tl.constexpr, ADD_ROWS: tl.constexpr,   # add holds ADD_ROWS rows per output row, summed
-    NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_H: tl.constexpr, OUT_XN: tl.constexpr, OUT_XP: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_H: tl.constexpr, OUT_XN: tl.constexpr, OUT_XH: tl.constexpr,
     WB: tl.constexpr,                     # K columns of the norm outputs per program
     GLU: tl.constexpr,                    # y = SiLU(x W[n]^T) * x W[N + n]^T (W = [gate | up] rows)
     ROPE: tl.constexpr, HEAD: tl.constexpr, ROPE_OFF: tl.constexpr,
@@ -114,7 +113,7 @@ def _skinny_kernel(
             acc += tl.load(add_ptr + b * stride_ab + (m * ADD_ROWS + j)[:, None] * stride_am + n[None, :],
                            mask=mn).to(tl.float32)
     tl.store(y_ptr + b * stride_yb + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mn)
-    if NORM and (OUT_H or OUT_XN or OUT_XP):  # this program's WB columns of the norm outputs
+    if NORM and (OUT_H or OUT_XN or OUT_XH):  # this program's WB columns of the norm outputs
         kw = tl.program_id(0) * WB + tl.arange(0, WB)
         mk = m_ok[:, None] & (kw < K)[None, :]                                            # [BM, WB]
         h = tl.load(x_ptr + m[:, None] * stride_xm + kw[None, :], mask=mk, other=0.0)
@@ -127,8 +126,8 @@ def _skinny_kernel(
               ).to(x_ptr.dtype.element_ty)
         if OUT_XN:
             tl.store(xn_ptr + m[:, None] * stride_xnm + kw[None, :], xn, mask=mk)
-        if OUT_XP:
-            store_permuted(xp_ptr + m[:, None] * stride_xpm, kw[None, :], xn.to(tl.float32), mk)
+        if OUT_XH:
+            tl.store(xh_ptr + m[:, None] * stride_xhm + kw[None, :], xn.to(tl.float16), mask=mk)
     if ROUTE:  # the last program to store its logits sees them all: each row's top-k
         if ticket.last_to_arrive(cnt_ptr, tl.num_programs(0)):
             for row in range(0, M):
@@ -270,14 +269,14 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = N
 
 def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
                 residual: torch.Tensor | None = None, glu: bool = False, out_xn: bool = False,
-                out_xp: bool = False, route: tuple | None = None, tile: tuple[int, int, int] | None = None,
+                out_xh: bool = False, route: tuple | None = None, tile: tuple[int, int, int] | None = None,
                 num_warps: int | None = None, num_stages: int | None = None):
     """RMSNorm (+ residual add) as the prologue of the skinny GEMM, one launch, Triton path.
 
     h = residual + x (in x's dtype; h = x without residual), xn = h / rms(h) * norm_w (fp32
     maths), y = xn W^T, or with glu (w = [gate | up] rows `[2I, K]`) SiLU(xn gate^T) * xn up^T.
-    Returns (y `[.., N]`, h or None (no residual), xn or None, xp or None): xn `[.., K]` in
-    x's dtype when out_xn, xp = `moe_gemv.permute_rows(xn)` (fp32 `[rows, 2K]`) when out_xp.
+    Returns (y `[.., N]`, h or None (no residual), xn or None, xh or None): xn `[.., K]` in
+    x's dtype when out_xn, xh = `moe_gemv.half_rows(xn)` (fp16 `[rows, K]`) when out_xh.
     Same meaning as `norm_linear_ref`; y is computed from the unrounded fp32 xn. x's rows may
     be strided (a column slice of a wider tensor).
     route: (bias, top_k, scaling): y are the router's gate logits; the same launch also
@@ -286,14 +285,14 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tens
     """
     k = x.shape[-1]
     n = w.shape[0] // (2 if glu else 1)
-    if out_xp and k % 32:
-        raise ValueError(f"norm_linear: the GEMV-order copy needs K % 32 == 0, got K = {k}")
+    if out_xh and k % 32:
+        raise ValueError(f"norm_linear: the MoE GEMV's fp16 copy needs K % 32 == 0, got K = {k}")
     x2, r2 = (None if t is None else _unit_last(t.reshape(-1, k)) for t in (x, residual))   # [rows, K]
     rows = x2.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     h = torch.empty(rows, k, dtype=x.dtype, device=x.device) if r2 is not None else None
     xn = torch.empty(rows, k, dtype=x.dtype, device=x.device) if out_xn else None
-    xp = torch.empty(rows, 2 * k, dtype=torch.float32, device=x.device) if out_xp else None
+    xh = torch.empty(rows, k, dtype=torch.float16, device=x.device) if out_xh else None
     topk = None
     if route is not None:
         bias, top_k, scaling = route
@@ -301,9 +300,9 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tens
                 torch.empty(rows, top_k, dtype=torch.float32, device=x.device))
         route = (bias, *topk, scaling)
     skinny_bmm(x2[None], w[None], y[None], tile=tile, num_warps=num_warps, num_stages=num_stages, glu=glu,
-               norm=(norm_w, eps, r2, h, xn, xp), route=route)
+               norm=(norm_w, eps, r2, h, xn, xh), route=route)
     lead = x.shape[:-1]
-    out = (y.view(*lead, n), None if h is None else h.view(*lead, k), None if xn is None else xn.view(*lead, k), xp)
+    out = (y.view(*lead, n), None if h is None else h.view(*lead, k), None if xn is None else xn.view(*lead, k), xh)
     return out if topk is None else out + topk
 
 
@@ -312,7 +311,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def norm_linear_ref(x, norm_w, eps, w, residual=None, glu=False):
-    """The unfused meaning of `norm_linear`: (y, h or None, xn) (xp is `permute_rows(xn)`)."""
+    """The unfused meaning of `norm_linear`: (y, h or None, xn) (xh is `half_rows(xn)`)."""
     from kernels.fused_ops import rms_norm_ref, silu_mul_ref
 
     xn, h = rms_norm_ref(x, norm_w, eps, residual) if residual is not None else (rms_norm_ref(x, norm_w, eps), None)
@@ -327,7 +326,7 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
     """out[b] = x[b] @ w[b]^T (+ add[b]): x `[B, M, K]`, w `[B, N, K]`, out `[B, M, N]`, any
     strides except unit strides on the last dims of x, out and add (w may be a transposed view).
     glu: w `[B, 2N, K]`, out = SiLU(x gate^T) * x up^T. norm (B = 1): the prologue's
-    (norm_w, eps, residual, h, xn, xp) as `norm_linear` (outputs may be None).
+    (norm_w, eps, residual, h, xn, xh) as `norm_linear` (outputs may be None).
     rope (B = 1): (cos, sin, head, offset) as `skinny_linear`. add_rows: add `[B, M*add_rows, N]`,
     out[b, i] gets the sum of add rows i*add_rows ..< (i+1)*add_rows.
     route (B = 1): (bias, ids, weights, scaling): out are gate logits, ids/weights `[M, k]`
@@ -356,10 +355,10 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
         if bn < 2:             # the pairs (2i, 2i+1) in one tile
             bn, bk = 2, min(bk, max(64, 4096 // bm))
     grid = (triton.cdiv(n, bn), bsz)
-    norm_w, eps, res, h, xn, xp = norm or (None, 0.0, None, None, None, None)
+    norm_w, eps, res, h, xn, xh = norm or (None, 0.0, None, None, None, None)
     if norm_w is not None and norm_w.stride(0) != 1:
         raise ValueError("skinny_bmm: the norm weight must be contiguous")
-    wb = triton.next_power_of_2(triton.cdiv(k, grid[0])) if any(t is not None for t in (h, xn, xp)) else 1
+    wb = triton.next_power_of_2(triton.cdiv(k, grid[0])) if any(t is not None for t in (h, xn, xh)) else 1
     bias, ids, rw, scaling = route or (None, None, None, 1.0)
     top_k = 1 if ids is None else ids.shape[1]
     if route is not None and (tuple(ids.shape) != (m, top_k) or tuple(rw.shape) != (m, top_k)
@@ -369,14 +368,14 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
     _skinny_kernel[grid](
         x, w, a, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         a.stride(0), a.stride(1), out.stride(0), out.stride(1),
-        *(t if t is not None else xs for t in (res, norm_w, h, xn, xp)),
-        *(t.stride(0) if t is not None else 0 for t in (res, h, xn, xp)), eps,
+        *(t if t is not None else xs for t in (res, norm_w, h, xn, xh)),
+        *(t.stride(0) if t is not None else 0 for t in (res, h, xn, xh)), eps,
         cos if cos is not None else xs, sin if sin is not None else xs, 0 if cos is None else cos.stride(0),
         *(t if t is not None else xs for t in (bias, ids, rw)),
         ticket.counters(x.device, "route", 1) if route is not None else xs, float(scaling),
         BM=bm, BN=bn, BK=bk, NUM_STAGES=num_stages, HAS_ADD=add is not None, ADD_ROWS=add_rows,
         NORM=norm is not None, HAS_RES=res is not None, OUT_H=h is not None, OUT_XN=xn is not None,
-        OUT_XP=xp is not None, WB=wb, GLU=glu,
+        OUT_XH=xh is not None, WB=wb, GLU=glu,
         ROPE=rope is not None, HEAD=rope[2] if rope else 1, ROPE_OFF=rope[3] if rope else 0,
         ROUTE=route is not None, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(n) if route else 1,
         BLOCK_TK=triton.next_power_of_2(top_k),

@@ -86,7 +86,7 @@ def test_route_matches_reference_and_kernels_moe(e, k):
     torch.testing.assert_close(w0, w1)
 
 
-# ---- the engine's fused skinny path (norm prologue, SiLU epilogue, GEMV-order x) ---------
+# ---- the engine's fused skinny path (norm prologue, SiLU epilogue, fp16 x for the MoE GEMV) ---------
 
 def _decode_step(model, seed=3, plen=5):
     """One c=1 decode step on a random cache: (logits `[1, 1, vocab]`, the cache)."""
@@ -119,7 +119,7 @@ def _small_inter_models(dtype, device, ref_fused="torch", attn="torch"):
 def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     """Ops 'triton' with `skinny.fits` opened to any device and fp32 (the interpreter on
     CPU): attn_norm in wqkv_a, ffn_norm in the router gate (which also writes the MoE's
-    permuted x and, with FUSE_ROUTE, routes) and in the dense w13, SiLU(gate) * up in the w13
+    fp16 x and, with FUSE_ROUTE, routes) and in the dense w13, SiLU(gate) * up in the w13
     GEMMs, q's rope in wq_b, the sum over the k expert rows in the shared down GEMM give the
     logits and cache of the torch ops (mla_a_post stays one launch per layer). With
     skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again."""
@@ -129,9 +129,9 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     monkeypatch.setattr(skinny, "FUSE_ROUTE", fuse)
     monkeypatch.setattr(skinny, "fits", lambda x, w: 0 < x.numel() // x.shape[-1] <= skinny.MAX_ROWS
                         and w.shape[0] <= w.shape[1])
-    calls = {"norm_linear": 0, "permute_rows": 0, "rms_norm": 0, "silu_mul": 0, "rope_": 0, "sum_k": 0,
+    calls = {"norm_linear": 0, "half_rows": 0, "rms_norm": 0, "silu_mul": 0, "rope_": 0, "sum_k": 0,
              "route": 0, "mla_a_post": 0}
-    for mod, name in ((skinny, "norm_linear"), (moe_gemv, "permute_rows"), (fused_ops, "rms_norm"),
+    for mod, name in ((skinny, "norm_linear"), (moe_gemv, "half_rows"), (fused_ops, "rms_norm"),
                       (fused_ops, "silu_mul"), (fused_ops, "rope_"), (fused_ops, "route"), (fused_ops, "mla_a_post")):
         fn = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _fn(*a, **k))
@@ -145,16 +145,16 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     torch.testing.assert_close(c1.kpe, c0.kpe)
     cfg = ref.cfg
     n_moe = cfg.n_layers - cfg.n_dense_layers
-    # counts over both models; the reference (torch ops) permutes x and (unless moe_gemv.FUSE_ACT
+    # counts over both models; the reference (torch ops) casts x and (unless moe_gemv.FUSE_ACT
     # folds it into w13) the w2 input per MoE layer
     act = 0 if getattr(moe_gemv, "FUSE_ACT", False) else 1
-    if max_rows:  # 2 norms per block fused (the final norm stays); the MoE permutes only its w2 input
-        want = {"norm_linear": 2 * cfg.n_layers, "permute_rows": n_moe + 2 * act * n_moe, "rms_norm": 1, "silu_mul": 0,
+    if max_rows:  # 2 norms per block fused (the final norm stays); the MoE converts only its w2 input
+        want = {"norm_linear": 2 * cfg.n_layers, "half_rows": n_moe + 2 * act * n_moe, "rms_norm": 1, "silu_mul": 0,
                 "rope_": 0, "sum_k": n_moe,
                 # FUSE_ROUTE: the gate GEMM's last program routes (no route launch per MoE layer)
                 "route": 0 if fuse else n_moe, "mla_a_post": cfg.n_layers}
     else:
-        want = {"norm_linear": 0, "permute_rows": 2 * (1 + act) * n_moe, "rms_norm": 2 * cfg.n_layers + 1,
+        want = {"norm_linear": 0, "half_rows": 2 * (1 + act) * n_moe, "rms_norm": 2 * cfg.n_layers + 1,
                 "silu_mul": cfg.n_layers, "rope_": cfg.n_layers, "sum_k": 2 * n_moe,
                 "route": n_moe, "mla_a_post": cfg.n_layers}
     assert calls == want, calls

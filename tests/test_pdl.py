@@ -16,12 +16,12 @@ def test_pdl_is_off_for_cpu_tensors():
 
 def _chain(x, res, p, cfg):
     """One MoE layer's few-row chain: norm + wide GEMM, norm + router, route, the CUDA-core
-    MoE (w13, SiLU*up permute, w2 with the k rows unsummed), shared expert with the k-sum."""
+    MoE (w13, SiLU*up in fp16, w2 with the k rows unsummed), shared expert with the k-sum."""
     qkv, h, _, _ = skinny.norm_linear(x, p["n1"], 1e-6, p["wa"], res)               # [1, 2112]
     a = skinny.skinny_linear(qkv[:, :1024], p["wo"])                                 # N > K: [1, H]
-    logits, h, xf, xp = skinny.norm_linear(a, p["n2"], 1e-6, p["gate"], h, out_xn=True, out_xp=True)
+    logits, h, xf, xh = skinny.norm_linear(a, p["n2"], 1e-6, p["gate"], h, out_xn=True, out_xh=True)
     ids, w = fused_ops.route(logits, p["bias"], cfg.top_k, 2.5)
-    rows = fused_moe(xf, ids, w, p["moe"], "triton", x_perm=xp, sum_k=False)        # [k, H] fp32
+    rows = fused_moe(xf, ids, w, p["moe"], "triton", x_half=xh, sum_k=False)        # [k, H] fp32
     act = skinny.skinny_linear(xf, p["w13"], glu=True)
     return skinny.skinny_linear(act, p["w2"], add=rows, add_rows=cfg.top_k), h
 

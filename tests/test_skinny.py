@@ -85,22 +85,22 @@ def test_skinny_bf16_k26_shapes(m, n, k):
                                            (4, 33, 224, True, True), (2, 7, 64, True, False)])
 def test_norm_linear_matches_unfused(dtype, m, n, k, res, glu):
     """norm_linear == rms_norm (+ residual) -> linear (-> silu_mul), and its side outputs:
-    the new residual, the normed rows and their GEMV order (moe_gemv.permute_rows)."""
-    from kernels.moe_gemv import permute_rows
+    the new residual, the normed rows and their fp16 copy (moe_gemv.half_rows)."""
+    from kernels.moe_gemv import half_rows
     from kernels.skinny import norm_linear, norm_linear_ref
 
     g = torch.Generator().manual_seed(m * 100 + n)
     x, r = (torch.randn(m, k, generator=g).to(DEV, dtype) for _ in range(2))
     nw = (1 + 0.2 * torch.randn(k, generator=g)).to(DEV, dtype)
     w = (torch.randn(n * (2 if glu else 1), k, generator=g) * k ** -0.5).to(DEV, dtype)
-    y, h, xn, xp = norm_linear(x, nw, 1e-5, w, r if res else None, glu=glu, out_xn=True, out_xp=True)
+    y, h, xn, xh = norm_linear(x, nw, 1e-5, w, r if res else None, glu=glu, out_xn=True, out_xh=True)
     y0, h0, xn0 = norm_linear_ref(x, nw, 1e-5, w, r if res else None, glu=glu)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-3, rtol=3e-3)
-    assert y.shape == (m, n) and y.dtype == dtype and xp.shape == (m, 2 * k)
+    assert y.shape == (m, n) and y.dtype == dtype and xh.shape == (m, k) and xh.dtype == torch.float16
     torch.testing.assert_close(y, y0, **tol)
     torch.testing.assert_close(xn, xn0, **tol)
     assert (h is None) == (not res) and (h is None or torch.equal(h, h0))   # same rounding as the reference
-    assert torch.equal(xp, permute_rows(xn.float()))
+    assert torch.equal(xh, half_rows(xn))
     # without side outputs: the same y, nothing else written
     y1, h1, xn1, xp1 = norm_linear(x, nw, 1e-5, w, r if res else None, glu=glu)
     assert torch.equal(y1, y) and xn1 is None and xp1 is None
@@ -183,21 +183,21 @@ def _rel(a, b):
                                                  ("router", 384, False, True, True),
                                                  ("dense_w13", 2304, True, True, False)])
 def test_norm_linear_bf16_k26_shapes(m, name, n, glu, res, side):
-    """K2.6 TP-8 shapes: attn_norm + wqkv_a, ffn_norm + router gate (+ normed x and its GEMV
+    """K2.6 TP-8 shapes: attn_norm + wqkv_a, ffn_norm + router gate (+ normed x and its fp16
     order), ffn_norm + dense w13 with SiLU(gate) * up; bf16 against the fp32 unfused maths."""
-    from kernels.moe_gemv import permute_rows
+    from kernels.moe_gemv import half_rows
     from kernels.skinny import norm_linear, norm_linear_ref
 
     k = 7168
     x, r = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     nw = 1 + 0.2 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n * (2 if glu else 1), k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
-    y, h, xn, xp = norm_linear(x, nw, 1e-5, w, r if res else None, glu=glu, out_xn=side, out_xp=side)
+    y, h, xn, xh = norm_linear(x, nw, 1e-5, w, r if res else None, glu=glu, out_xn=side, out_xh=side)
     y0, h0, xn0 = norm_linear_ref(x.float(), nw.float(), 1e-5, w.float(), r.float() if res else None, glu=glu)
     assert _rel(y, y0) < 1e-2, name
     assert torch.equal(h, (x.float() + r.float()).bfloat16())
     if side:
-        assert _rel(xn, xn0) < 1e-2 and torch.equal(xp, permute_rows(xn.float()))
+        assert _rel(xn, xn0) < 1e-2 and torch.equal(xh, half_rows(xn))
 
 
 @pytest.mark.gpu
@@ -260,7 +260,7 @@ def test_norm_linear_route_epilogue_matches_route_ref(dtype, m, e, k, ties):
         gate[1::2] = gate[0]
         bias[1::2] = bias[0]
     gate = gate.to(DEV, dtype)
-    y, h, xn, xp, ids, w = norm_linear(x, nw, 1e-5, gate, r, out_xn=True, route=(bias, k, 2.5))
+    y, h, xn, xh, ids, w = norm_linear(x, nw, 1e-5, gate, r, out_xn=True, route=(bias, k, 2.5))
     ids0, w0 = route_ref(y, bias, k, 2.5)
     order = torch.sort(torch.sigmoid(y.float()) + bias, dim=-1, descending=True, stable=True).indices[:, :k]
     assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == w.shape == (m, k)
@@ -274,7 +274,7 @@ def test_norm_linear_route_epilogue_matches_route_ref(dtype, m, e, k, ties):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_norm_linear_strided_rows(dtype):
     """The norm prologue reads x rows with any row stride (a column slice), its outputs too."""
-    from kernels.moe_gemv import permute_rows
+    from kernels.moe_gemv import half_rows
     from kernels.skinny import norm_linear, norm_linear_ref
 
     g = torch.Generator().manual_seed(5)
@@ -282,12 +282,12 @@ def test_norm_linear_strided_rows(dtype):
     x = wide[..., 8:72]                                                       # [3, 2, 64], row stride 100
     nw = (1 + 0.2 * torch.randn(64, generator=g)).to(DEV, dtype)
     w = (torch.randn(24, 64, generator=g) / 8).to(DEV, dtype)
-    y, h, xn, xp = norm_linear(x, nw, 1e-5, w, r, out_xn=True, out_xp=True)
+    y, h, xn, xh = norm_linear(x, nw, 1e-5, w, r, out_xn=True, out_xh=True)
     y0, h0, xn0 = norm_linear_ref(x, nw, 1e-5, w, r)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-3, rtol=3e-3)
     torch.testing.assert_close(y, y0, **tol)
     torch.testing.assert_close(xn, xn0, **tol)
-    assert torch.equal(h, h0) and torch.equal(xp, permute_rows(xn.reshape(6, 64).float()))
+    assert torch.equal(h, h0) and torch.equal(xh, half_rows(xn.reshape(6, 64)))
 
 
 def _k26_router(m, seed):
@@ -309,7 +309,7 @@ def test_route_epilogue_bf16_k26(m):
     from kernels.skinny import norm_linear
 
     x, r, nw, gate, bias = _k26_router(m, m)
-    y, h, xn, xp, ids, w = norm_linear(x, nw, 1e-6, gate, r, out_xn=True, out_xp=True, route=(bias, 8, 2.827))
+    y, h, xn, xh, ids, w = norm_linear(x, nw, 1e-6, gate, r, out_xn=True, out_xh=True, route=(bias, 8, 2.827))
     ids1, w1 = route(y, bias, 8, 2.827)
     ids0, w0 = route_ref(y, bias, 8, 2.827)
     assert torch.equal(ids, ids1) and torch.equal(ids.sort(-1).values, ids0.sort(-1).values)

@@ -5,7 +5,7 @@
 #      tests/test_engine.py (CUDA-graph decode == eager decode, graph phase timing, bf16 GPU
 #      path vs the fp32 torch path, the simulated-rank CLI on the tiny preset), the bf16
 #      skinny GEMM tests at K2.6 shapes incl. the fused norm prologue and the SiLU / rope /
-#      k-row-sum epilogues and the router top-k side job, fused_moe's x_perm / sum_k options,
+#      k-row-sum epilogues and the router top-k side job, fused_moe's x_half / sum_k options,
 #      and the decode chain launched with PDL against plain launches (tests/test_pdl.py) (~60 s)
 #   2. ddbench decode --preset k2.6 --tp 8 --simulate-rank 0 at concurrency 1 and 10:
 #      the full 61-layer TP-8 rank-0 shard (~76 GB: 71 GB INT4 experts + 5 GB bf16) with
@@ -33,7 +33,7 @@ timeout 150 python3 -m pytest -q tests/test_engine_kernels.py 2>&1 | log || echo
 timeout 150 python3 -m pytest -q -m gpu tests/test_engine.py 2>&1 | log || echo "FAILED engine gpu tests"
 timeout 90 python3 -m pytest -q -m gpu tests/test_pdl.py 2>&1 | log || echo "FAILED PDL chain gpu test"
 timeout 120 python3 -m pytest -q -m gpu tests/test_skinny.py 2>&1 | log || echo "FAILED skinny gpu tests"
-timeout 60 python3 -m pytest -q tests/test_moe_triton.py -k x_perm_and_rows 2>&1 | log || echo "FAILED moe x_perm/sum_k test"
+timeout 60 python3 -m pytest -q tests/test_moe_triton.py -k x_half_and_rows 2>&1 | log || echo "FAILED moe x_half/sum_k test"
 
 timeout 60 python3 -m ddbench report "$dir" --out "$dir/report" 2>&1 | log || echo "FAILED decode report"
 

@@ -3,7 +3,7 @@
 python3 scripts/gpu/skinny_bench.py [OUT_DIR]: each shape in CUDA graphs of 20 calls over
 rotated weights (so W comes from DRAM), GB/s of W against the measured copy bandwidth.
 Then the fused GEMMs the engine uses (norm prologue, SiLU or rope epilogue) against the
-launches they replace (rms_norm -> skinny GEMM -> silu_mul / permute_rows / rope_), same timing.
+launches they replace (rms_norm -> skinny GEMM -> silu_mul / half_rows / rope_), same timing.
 Writes OUT_DIR/skinny_bench.csv and OUT_DIR/skinny_fused_bench.csv and prints tables. About 30 s.
 """
 import csv
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
 from kernels import fused_ops  # noqa: E402
-from kernels.moe_gemv import permute_rows  # noqa: E402
+from kernels.moe_gemv import half_rows  # noqa: E402
 from kernels.skinny import norm_linear, skinny_linear, tiles  # noqa: E402
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
@@ -67,7 +67,7 @@ for r in rows:
 # name -> (N out, K, norm, glu, normed x + gemv order, q rope); shared_w2+sum_k: the 8 fp32 routed
 # expert rows summed in the epilogue vs a sum over k (torch, standing in for moe_gemv's _sum_k) + addmm_
 FUSED = {"attn_norm+wqkv_a": (2112, 7168, True, False, False, False),
-         "ffn_norm+router(+xn,xp)": (384, 7168, True, False, True, False),
+         "ffn_norm+router(+xn,xh)": (384, 7168, True, False, True, False),
          "shared_w13+silu": (256, 7168, False, True, False, False),
          "ffn_norm+dense_w13+silu": (2304, 7168, True, True, False, False),
          "wq_b+rope": (1536, 1536, False, False, False, True),
@@ -86,7 +86,7 @@ for (name, (n, K, norm, glu, side, rope)), m in itertools.product(FUSED.items(),
         if name == "shared_w2+sum_k":
             return skinny_linear(x, w, add=rows, add_rows=8)
         if norm:
-            return norm_linear(x, nw, 1e-5, w, r, glu=glu, out_xn=side, out_xp=side)[0]
+            return norm_linear(x, nw, 1e-5, w, r, glu=glu, out_xn=side, out_xh=side)[0]
         if rope:
             return skinny_linear(x, w, rope=(cos, sin, 192, 128))
         return skinny_linear(x, w, glu=True)
@@ -97,7 +97,7 @@ for (name, (n, K, norm, glu, side, rope)), m in itertools.product(FUSED.items(),
         xn = fused_ops.rms_norm(x, nw, 1e-5, residual=r)[0] if norm else x
         y = skinny_linear(xn, w)
         if side:
-            permute_rows(xn)
+            half_rows(xn)
         if rope:
             fused_ops.rope_(y.view(1, m, -1, 192), cos, sin, 128)
         return fused_ops.silu_mul(y) if glu else y
