@@ -153,9 +153,10 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
         wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]
         q_lat = heads_linear(q_nope, wkv_b[:, :dn].transpose(1, 2))            # [B, T, nh, L]
-        o_lat = self.attend(q_lat, q_pe.to(q_lat.dtype), cache.ckv[self.layer], cache.kpe[self.layer],
-                            prefix_len, visible, cfg.softmax_scale)             # [B, T, nh, L]
-        o = heads_linear(o_lat.to(qkv.dtype), wkv_b[:, dn:])                    # [B, T, nh, Dv]
+        # attention in the latent space, then each head's value rows of wkv_b (the attention's
+        # merge launch does that product at decode sizes)
+        o = self.attend(q_lat, q_pe.to(q_lat.dtype), cache.ckv[self.layer], cache.kpe[self.layer],
+                        prefix_len, visible, cfg.softmax_scale, out_proj=wkv_b[:, dn:])  # [B, T, nh, Dv]
         return self.wo(o.reshape(b, t, nh * dv))                                # [B, T, H]
 
 

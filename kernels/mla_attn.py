@@ -12,11 +12,14 @@ import torch
 
 
 def mla_attention_ref(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
-                      prefix_len: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+                      prefix_len: torch.Tensor, visible: torch.Tensor, scale: float,
+                      out_proj: torch.Tensor | None = None) -> torch.Tensor:
     """Reference (fp32 softmax).
 
     q_lat `[B, T, H, L]`, q_rope `[B, T, H, R]`, ckv `[B, S, L]`, kpe `[B, S, R]`,
-    prefix_len int `[B]`, visible bool `[B, T, T]` -> `[B, T, H, L]` in q's dtype.
+    prefix_len int `[B]`, visible bool `[B, T, T]` -> `[B, T, H, L]` in q's dtype; with
+    out_proj (each head's value projection `[H, Dv, L]`) that output times its head's
+    projection, `[B, T, H, Dv]` (`project`: the rounded output's products).
     """
     b, t, h, _ = q_lat.shape
     s = ckv.shape[1]
@@ -31,7 +34,16 @@ def mla_attention_ref(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tens
     mask = in_prefix | sees_node                                                          # [B, T, S]
     scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
     p = torch.softmax(scores, dim=-1)
-    return torch.einsum("bths,bsl->bthl", p, ckv.float()).to(q_lat.dtype)
+    out = torch.einsum("bths,bsl->bthl", p, ckv.float()).to(q_lat.dtype)
+    return out if out_proj is None else project(out, out_proj)
+
+
+def project(o: torch.Tensor, out_proj: torch.Tensor) -> torch.Tensor:
+    """o `[B, T, H, L]` times each head's out_proj `[H, Dv, L]` -> `[B, T, H, Dv]` in o's dtype
+    (`kernels.skinny.heads_linear`: its few-row kernel on the GPU, einsum elsewhere)."""
+    from kernels.skinny import heads_linear
+
+    return heads_linear(o, out_proj.to(o.dtype))
 
 
 # --------------------------------------------------------------------------------------
@@ -56,6 +68,10 @@ MIN_CHUNK = 32    # default min_chunk of decode-size calls (num_splits not given
 DECODE_WAVES = 1.0
 # tile of decode-size calls (read at each call): KV positions per step, warps, stages
 DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES = 32, 4, 3
+# out_proj at decode sizes: the merge programs do the value projection (one launch fewer), BLOCK_V
+# projection rows each (both read at each call)
+FUSE_PROJ = True
+PROJ_BLOCK_V = 16
 
 
 @triton.jit
@@ -207,28 +223,12 @@ def _mla_split_kernel(
 
 
 @triton.jit
-def _mla_combine_kernel(
-    o_part_ptr, m_part_ptr, l_part_ptr,   # fp32 [W, R, DL], [W, R], [W, R]
-    plen_ptr,
-    out_ptr, so_b, so_t, so_h,            # [B, T, H, DL]
-    B, T, H, R, P,
-    DL: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
-):
-    """Program (query block, latent block, stream): merge the stream's work items (the same
-    `_work_split` as the split kernel) in one online pass, BLOCK_S items per load (one
-    load for up to BLOCK_S chunks: no chain of small dependent loads)."""
-    mb, db, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    lens, n_chunks, first, chunk = _work_split(plen_ptr, B, T, P, BB, BLOCK_N, MIN_CHUNK, MAX_CHUNKS)
-    sb = tl.arange(0, BB)
-    w0 = tl.sum(tl.where(sb == b, first, 0), axis=0).to(tl.int64)
-    n_split = tl.sum(tl.where(sb == b, n_chunks, 0), axis=0)
-    pdl.enter(PDL)                                     # the split kernel's partials are written
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rok = rows < R
-    t = rows // H
-    h = rows % H
-    dl = db * BLOCK_D + tl.arange(0, BLOCK_D)
+def _merge(o_part_ptr, m_part_ptr, l_part_ptr, w0, n_split, R, rows, rok, dl,
+           DL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The normalized output `[BLOCK_M, BLOCK_D]` of query rows `rows` (valid where rok),
+    latent columns dl, from the n_split work items w0.. of their stream: one online pass,
+    BLOCK_S items per load (one load for up to BLOCK_S chunks: no chain of small dependent
+    loads)."""
     sp = tl.arange(0, BLOCK_S)
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_all = tl.zeros([BLOCK_M], tl.float32)
@@ -246,9 +246,68 @@ def _mla_combine_kernel(
         l_all = l_all * alpha + tl.sum(w * l, axis=0)
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=0)                     # [BM, BD]
         m_all = m_new
-    o = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]         # l = 0 only on padding rows
+    return acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]      # l = 0 only on padding rows
+
+
+@triton.jit
+def _stream_items(plen_ptr, b, B, T, P, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                  MAX_CHUNKS: tl.constexpr):
+    """(first work item, number of items) of stream b under `_work_split`."""
+    lens, n_chunks, first, chunk = _work_split(plen_ptr, B, T, P, BB, BLOCK_N, MIN_CHUNK, MAX_CHUNKS)
+    sb = tl.arange(0, BB)
+    return tl.sum(tl.where(sb == b, first, 0), axis=0).to(tl.int64), tl.sum(tl.where(sb == b, n_chunks, 0), axis=0)
+
+
+@triton.jit
+def _mla_combine_kernel(
+    o_part_ptr, m_part_ptr, l_part_ptr,   # fp32 [W, R, DL], [W, R], [W, R]
+    plen_ptr,
+    out_ptr, so_b, so_t, so_h,            # [B, T, H, DL]
+    B, T, H, R, P,
+    DL: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (query block, latent block, stream): merge the stream's work items (the same
+    `_work_split` as the split kernel), `_merge`."""
+    mb, db, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    w0, n_split = _stream_items(plen_ptr, b, B, T, P, BB, BLOCK_N, MIN_CHUNK, MAX_CHUNKS)
+    pdl.enter(PDL)                                     # the split kernel's partials are written
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rok = rows < R
+    t = rows // H
+    h = rows % H
+    dl = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    o = _merge(o_part_ptr, m_part_ptr, l_part_ptr, w0, n_split, R, rows, rok, dl, DL, BLOCK_M, BLOCK_D, BLOCK_S)
     tl.store(out_ptr + b.to(tl.int64) * so_b + t[:, None] * so_t + h[:, None] * so_h + dl[None, :],
              o.to(out_ptr.dtype.element_ty), mask=rok[:, None])
+
+
+@triton.jit
+def _mla_combine_proj_kernel(
+    o_part_ptr, m_part_ptr, l_part_ptr,   # fp32 [W, R, DL], [W, R], [W, R]
+    plen_ptr,
+    wv_ptr, s_wh, s_wv,                   # value projection [H, DV, DL] (unit last stride)
+    out_ptr, so_b, so_t, so_h,            # [B, T, H, DV]
+    B, T, H, R, P,
+    DL: tl.constexpr, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (query row, value block, stream): the row's merged output over all DL latent
+    columns (`_merge`), rounded to out's dtype as a stored output would be, times its head's
+    projection rows v (BLOCK_V of them; fp32 products). The projection tile is static, so
+    it is loaded before the PDL wait."""
+    r, vb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    w0, n_split = _stream_items(plen_ptr, b, B, T, P, BB, BLOCK_N, MIN_CHUNK, MAX_CHUNKS)
+    t, h = r // H, r % H
+    v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    dl = tl.arange(0, DL)
+    wv = tl.load(wv_ptr + h.to(tl.int64) * s_wh + v[:, None] * s_wv + dl[None, :])            # [BV, DL]
+    pdl.enter(PDL)                                     # the split kernel's partials are written
+    rows = r + tl.zeros([1], tl.int32)
+    o = _merge(o_part_ptr, m_part_ptr, l_part_ptr, w0, n_split, R, rows, rows < R, dl, DL, 1, DL, BLOCK_S)  # [1, DL]
+    o = o.to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.sum(wv.to(tl.float32) * o, axis=1)                                                    # [BV]
+    tl.store(out_ptr + b.to(tl.int64) * so_b + t * so_t + h * so_h + v, y.to(out_ptr.dtype.element_ty))
 
 
 def _n_sm(device: torch.device) -> int:
@@ -262,7 +321,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
                   block_m: int | None = None, block_n: int | None = None, num_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   waves: float | None = None, min_chunk: int | None = None, use_pdl: bool | None = None,
-                  merge_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                  merge_tile: tuple[int, int, int] | None = None, out_proj: torch.Tensor | None = None) -> torch.Tensor:
     """Triton MLA attention with `mla_attention_ref`'s signature and semantics.
 
     q_lat `[B, T, H, L]`, q_rope `[B, T, H, R]`, ckv `[B, S, L]`, kpe `[B, S, R]`, prefix_len
@@ -284,6 +343,10 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     `num_splits` = n sets P = n x B instead (n = 1: one program per stream, no merge).
     L and R must be powers of two (512 and 64 on K2.6). The keyword knobs override the
     heuristics (tuned on the H200: `docs/notes/tree.md`).
+    out_proj: each head's value projection `[H, Dv, L]` (unit last stride) -> the output
+    times it, `[B, T, H, Dv]`, as `mla_attention_ref(.., out_proj)`; for decode-size calls
+    with a merge the merge programs do the product (`_mla_combine_proj_kernel`: one launch
+    fewer), else it is `project` after the attention.
     """
     b, t, h, dl = q_lat.shape
     dr = kpe.shape[-1]
@@ -339,6 +402,20 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         b, t, h, rows, n_work, scale * LOG2E,
         DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
         PREC=prec, num_warps=num_warps, num_stages=num_stages, **pdl.args(on))
+    if not direct and out_proj is not None and small and FUSE_PROJ:
+        dv = out_proj.shape[1]
+        if out_proj.stride(-1) != 1 or out_proj.shape[0] != h or out_proj.shape[2] != dl:
+            raise ValueError(f"mla_attention: out_proj {tuple(out_proj.shape)} is not [{h}, Dv, {dl}] with unit last stride")
+        bv = min(PROJ_BLOCK_V, triton.next_power_of_2(dv))
+        if dv % bv:
+            raise ValueError(f"mla_attention: out_proj's Dv = {dv} is not a multiple of {bv}")
+        o = torch.empty(b, t, h, dv, dtype=q_lat.dtype, device=dev)
+        _mla_combine_proj_kernel[(rows, dv // bv, b)](
+            o_part, m_part, l_part, plen, out_proj, out_proj.stride(0), out_proj.stride(1),
+            o, o.stride(0), o.stride(1), o.stride(2), b, t, h, rows, n_work,
+            DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS, BLOCK_V=bv,
+            BLOCK_S=max(2, min(32, 8192 // dl)), num_warps=4, **pdl.args(on))
+        return o
     if not direct:
         # [BLOCK_S, BM, BD] fp32 partials per load, 8192 values; decode (<= 16 rows): 2 warps
         # (1.0 us less than 4 at 10 x 8k on the H200: less of the sum over chunks crosses warps)
@@ -349,4 +426,4 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
             o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
             b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS,
             BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, num_warps=merge_warps, **pdl.args(on))
-    return out
+    return out if out_proj is None else project(out, out_proj)

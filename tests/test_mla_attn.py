@@ -4,7 +4,7 @@ the CPU interpreter; K2.6 dims (512 + 64) and bf16 on the GPU."""
 import pytest
 import torch
 
-from kernels.mla_attn import mla_attention, mla_attention_ref
+from kernels.mla_attn import mla_attention, mla_attention_ref, project
 
 
 def tree_visible(b, t, gen, device="cpu"):
@@ -119,6 +119,54 @@ def test_chunk_cap_per_stream(monkeypatch, cap):
     ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, 0.15)
     out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.15, block_n=16, min_chunk=16)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def value_proj(h, dv, dl, dtype, gen, device="cpu"):
+    """Each head's value rows `[H, Dv, L]` as the model passes them: a strided view of wkv_b."""
+    wkv_b = torch.randn(h, 2 * dv, dl, generator=gen).to(device, dtype) * dl ** -0.5
+    return wkv_b[:, dv:]
+
+
+@pytest.mark.parametrize("t,splits", [(1, None), (3, None), (20, None), (1, 1)])
+def test_value_projection(t, splits):
+    """out_proj: decode-size calls with a merge do the product in the merge launch, the others
+    after the attention; both equal the reference's projected output and the projection
+    of the unprojected output."""
+    gen = torch.Generator().manual_seed(40 + t)
+    b, h, dv = 2, 4, 32
+    q_lat, q_rope, ckv, kpe, plen = make(b, t, h, 120, [79, 33], 64, 16, torch.float32, gen)
+    vis = tree_visible(b, t, gen)
+    wv = value_proj(h, dv, 64, torch.float32, gen)
+    ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, 0.125, out_proj=wv)
+    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.125, block_n=16, num_splits=splits, out_proj=wv)
+    assert out.shape == (b, t, h, dv)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    plain = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.125, block_n=16, num_splits=splits)
+    torch.testing.assert_close(out, project(plain, wv), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2])
+def test_gpu_value_projection_k26(t):
+    """K2.6 dims, bf16, 10 streams of up to 8k cached positions: the merge with the value
+    projection (eager and in a CUDA graph with PDL) equals the reference."""
+    gen = torch.Generator().manual_seed(50 + t)
+    b, h = 10, 8
+    plens = torch.randint(1, 8192, (b,), generator=gen).tolist()
+    q_lat, q_rope, ckv, kpe, plen = make(b, t, h, 8192 + 2, plens, 512, 64, torch.bfloat16, gen, "cuda")
+    vis = tree_visible(b, t, gen, "cuda")
+    wv = value_proj(h, 128, 512, torch.bfloat16, gen, "cuda")
+    scale = 192 ** -0.5
+    ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, scale, out_proj=wv)
+    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale, out_proj=wv)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, scale, out_proj=wv, use_pdl=True)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

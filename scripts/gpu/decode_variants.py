@@ -33,6 +33,7 @@ OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "shared expert stream": [("engine.model", "SIDE_STREAM", False)],
     "attention chunks 32 capped": [("kernels.mla_attn", "MIN_CHUNK", 64), ("kernels.mla_attn", "MAX_CHUNKS", 0)],
     "skinny preload": [("kernels.skinny", "PRELOAD", False)],
+    "attention merge + value projection": [("kernels.mla_attn", "FUSE_PROJ", False)],
 }
 _gemv = importlib.import_module("kernels.moe_triton").TILE_TABLE
 _row0 = _gemv[0]
@@ -63,6 +64,8 @@ TRIALS = {  # trial -> [(module, attribute, value), ..]
     "gemv 6 stages": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_stages=6))],
     "gemv 2 warps": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_warps=2))],
     "gemv 8 warps": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_warps=8))],
+    "attention projection 8 rows": [("kernels.mla_attn", "PROJ_BLOCK_V", 8)],
+    "attention projection 32 rows": [("kernels.mla_attn", "PROJ_BLOCK_V", 32)],
     "gemv w13 128 columns": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(block_n13=128))],
     "gemv w13 512 columns": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(block_n13=512))],
     "gemv w13 512 columns + splits <= 28": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(block_n13=512)),
