@@ -45,7 +45,8 @@ def test_triton_backend_interpreter_with_check(tmp_path):
     assert "interpreter" in r.output
     df = pd.read_csv(tmp_path / "t1.csv")
     lay = df[df.stage == "layer"].set_index("tokens")
-    assert len(lay) == 2 and (lay["rel_err"].astype(float) < 1e-4).all()
+    err = lay["rel_err"].astype(float)
+    assert len(lay) == 2 and err[1] < 2e-3 and err[6] < 1e-4   # the CUDA-core path (T=1) multiplies in fp16
     assert lay.loc[1, "tiles"].startswith("gemv-m1") and lay.loc[6, "tiles"].startswith("m16")   # CUDA cores at T=1
     assert set(df[df.tokens == 1].stage) >= {"layer", "w13", "w2"}
 
