@@ -41,8 +41,6 @@ def mla_attention_ref(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tens
 def project(o: torch.Tensor, out_proj: torch.Tensor) -> torch.Tensor:
     """o `[B, T, H, L]` times each head's out_proj `[H, Dv, L]` -> `[B, T, H, Dv]` in o's dtype
     (`kernels.skinny.heads_linear`: its few-row kernel on the GPU, einsum elsewhere)."""
-    from kernels.skinny import heads_linear
-
     return heads_linear(o, out_proj.to(o.dtype))
 
 
@@ -54,6 +52,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels import pdl  # noqa: E402
+from kernels.skinny import heads_linear  # noqa: E402
 
 LOG2E = 1.4426950408889634
 # at most this many chunks per stream (0: no cap): with min_chunk 32 a short decode cache is
@@ -310,6 +309,12 @@ def _mla_combine_proj_kernel(
     tl.store(out_ptr + b.to(tl.int64) * so_b + t * so_t + h * so_h + v, y.to(out_ptr.dtype.element_ty))
 
 
+def _chunks_per_load(tile_values: int) -> int:
+    """Work items a merge program loads at once for a partial tile of `tile_values` fp32
+    (rows x latent columns): 8192 values a load, 2 to 32 items."""
+    return max(2, min(32, 8192 // tile_values))
+
+
 def _n_sm(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -414,13 +419,13 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
             o_part, m_part, l_part, plen, out_proj, out_proj.stride(0), out_proj.stride(1),
             o, o.stride(0), o.stride(1), o.stride(2), b, t, h, rows, n_work,
             DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS, BLOCK_V=bv,
-            BLOCK_S=max(2, min(32, 8192 // dl)), num_warps=4, **pdl.args(on))
+            BLOCK_S=_chunks_per_load(dl), num_warps=4, **pdl.args(on))
         return o
     if not direct:
         # [BLOCK_S, BM, BD] fp32 partials per load, 8192 values; decode (<= 16 rows): 2 warps
         # (1.0 us less than 4 at 10 x 8k on the H200: less of the sum over chunks crosses warps)
         bm, bd = min(16, triton.next_power_of_2(rows)), min(32, dl)
-        bs = max(2, min(32, 8192 // (bm * bd)))
+        bs = _chunks_per_load(bm * bd)
         bd, bs, merge_warps = merge_tile or (bd, bs, 2 if small else 4)
         _mla_combine_kernel[(triton.cdiv(rows, bm), dl // bd, b)](
             o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
