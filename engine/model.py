@@ -253,7 +253,8 @@ class MoE(nn.Module):
             with torch.cuda.stream(side):
                 act = self.shared.gate_up(xf)                                 # [N, I/tp]
         with phase("moe"):
-            y = fused_moe(xf, ids, w, experts, self.backend, x_half=xh, sum_k=k_rows == 1)  # [N * k_rows, H]
+            y = fused_moe(xf, ids, w, experts, self.backend, x_half=xh, sum_k=k_rows == 1,
+                          stream_rows=t)                                 # [N * k_rows, H]
         with phase("mlp"):
             if side is None:
                 act = self.shared.gate_up(xf)

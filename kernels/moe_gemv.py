@@ -25,7 +25,13 @@ split; fp32 partial sums per split); SiLU(gate) * up * top-k weight in fp16; w2 
 per assignment); sum over k and cast. `block_m == 1`: a row block is one assignment, no sorting,
 and (FUSE_ACT) the SiLU launch is folded into w13: the last of an assignment's programs to
 finish (kernels.ticket) computes that assignment's act row. `block_m > 1`: assignments sorted
-by expert (`moe_triton.align_tokens`), so an expert's words are read once for its rows.
+by expert (`moe_triton.align_tokens`), so an expert's words are read once for its rows;
+compiled, such blocks run on the tensor cores (`_mma_loop`, USE_MMA): Marlin's layout gives
+lane 4g + t of a warp the B fragments of an mma.m16n8k16 directly, the dequantized words are
+multiplied by up to 16 rows at the cost of one (rows g and g + 8 of each lane; fp32 sums),
+which is where rows share experts (a DDTree verify, `moe_triton.STREAM_BLOCK_M`). One row a
+block stays on the packed fp16 dot: there the mma, 1/16 used, was slower (+570 us in the
+c=1 decode step on the H200, docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -46,24 +52,36 @@ ACT_BLOCK = 512  # act columns per step of that program's loop over I
 # way; results/h200/decode/decode_trials_*)
 SPLIT_PROGRAMS_PER_SM = 4
 MAX_SPLITS = 16
+# compiled, sorted row blocks (block_m > 1): the words go through the tensor cores (`_mma_loop`;
+# False: the packed fp16 loop, as block_m 1 always; read at each call)
+USE_MMA = True
 
-# word -> the fp16 pairs (q - 8) of nibbles (0, 4), (1, 5), (2, 6), (3, 7) as int32
-_DEQUANT_PTX = tl.constexpr("""{
-.reg .b32 m, s, c, k, b;
+
+def _dequant_asm(word: str, pairs: tuple[str, str, str, str]) -> str:
+    """PTX: word -> the fp16 pairs (q - 8) of its nibbles (0, 4), (1, 5), (2, 6), (3, 7), into
+    the registers `pairs` (needs the .b32 registers m, c, k, b, s of `_DEQUANT_REGS`)."""
+    p0, p1, p2, p3 = pairs
+    return f"""shr.u32 s, {word}, 8;
+lop3.b32 {p0}, {word}, 0x000f000f, m, 0xea;
+lop3.b32 {p1}, {word}, 0x00f000f0, m, 0xea;
+lop3.b32 {p2}, s, 0x000f000f, m, 0xea;
+lop3.b32 {p3}, s, 0x00f000f0, m, 0xea;
+sub.rn.f16x2 {p0}, {p0}, c;
+fma.rn.f16x2 {p1}, {p1}, k, b;
+sub.rn.f16x2 {p2}, {p2}, c;
+fma.rn.f16x2 {p3}, {p3}, k, b;
+"""
+
+
+# magic 0x6400 (fp16 1024): OR-ed onto a nibble pair it makes 1024 + q; minus 1032 or (x 1/16) - 72
+_DEQUANT_REGS = """.reg .b32 m, s, c, k, b;
 mov.b32 m, 0x64006400;
 mov.b32 c, 0x64086408;
 mov.b32 k, 0x2c002c00;
 mov.b32 b, 0xd480d480;
-shr.u32 s, $4, 8;
-lop3.b32 $0, $4, 0x000f000f, m, 0xea;
-lop3.b32 $1, $4, 0x00f000f0, m, 0xea;
-lop3.b32 $2, s, 0x000f000f, m, 0xea;
-lop3.b32 $3, s, 0x00f000f0, m, 0xea;
-sub.rn.f16x2 $0, $0, c;
-fma.rn.f16x2 $1, $1, k, b;
-sub.rn.f16x2 $2, $2, c;
-fma.rn.f16x2 $3, $3, k, b;
-}""")
+"""
+# word -> the 4 pairs as int32
+_DEQUANT_PTX = tl.constexpr("{\n" + _DEQUANT_REGS + _dequant_asm("$4", ("$0", "$1", "$2", "$3")) + "}")
 # (pairs p0..p3, activation pairs xa, xb) -> fp32 (column g, column g + 8)
 _DOT_PTX = tl.constexpr("""{
 .reg .b32 lo, hi;
@@ -156,6 +174,108 @@ def _store_cols(ptrs, acc_lo, acc_hi, n_lo, valid):
     tl.store(ptrs + (n_lo + 8)[None, :], tl.sum(acc_hi, 1).to(ty), mask=valid[:, None])
 
 
+# two words of one lane (K tiles 2ks and 2ks + 1 of its Marlin block) and the activation
+# pairs (xa, xb of each tile) of rows g and g + 8 -> fp32 (rows g, g + 8; columns 2t, 2t + 1
+# of the block's two 8-column mma tiles): per word the dequant gives the B fragments of both
+# tiles, 2 mma.m16n8k16 multiply them; the second K tile's mma add into the first's sums
+_MMA_PTX = tl.constexpr("{\n.reg .b32 p0, p1, p2, p3;\n.reg .f32 f;\nmov.f32 f, 0f00000000;\n" + _DEQUANT_REGS
+                        + _dequant_asm("$8", ("p0", "p1", "p2", "p3")) + """\
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $4, $5}, {$10, $14, $11, $15}, {p0, p1}, {f, f, f, f};
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$2, $3, $6, $7}, {$10, $14, $11, $15}, {p2, p3}, {f, f, f, f};
+""" + _dequant_asm("$9", ("p0", "p1", "p2", "p3")) + """\
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $4, $5}, {$12, $16, $13, $17}, {p0, p1}, {$0, $1, $4, $5};
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$2, $3, $6, $7}, {$12, $16, $13, $17}, {p2, p3}, {$2, $3, $6, $7};
+}""")
+
+
+@triton.jit
+def _mma_scales(s_row, col, sc_pair, PER_CHANNEL: tl.constexpr):
+    """fp32 scales of columns col, col + 1, col + 8, col + 9 (col % 16 even and < 8); with
+    groups the int32 pairs sc_pair (columns col, col + 8) and sc_pair + 4 (col + 1, col + 9)."""
+    if PER_CHANNEL:
+        return (tl.load(s_row + _scale_col(col, True)).to(tl.float32),
+                tl.load(s_row + _scale_col(col + 1, True)).to(tl.float32),
+                tl.load(s_row + _scale_col(col + 8, True)).to(tl.float32),
+                tl.load(s_row + _scale_col(col + 9, True)).to(tl.float32))
+    pairs = s_row.to(tl.pointer_type(tl.int32), bitcast=True)
+    p = tl.load(pairs + sc_pair)
+    q = tl.load(pairs + sc_pair + 4)
+    return ((p << 16).to(tl.float32, bitcast=True), (q << 16).to(tl.float32, bitcast=True),
+            (p & -65536).to(tl.float32, bitcast=True), (q & -65536).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _mma_pairs(x_row, valid, ks):
+    """Activation pairs (xa, xb) of K tiles 2ks and 2ks + 1 at x_row (`[BN/2]` int32 pointers,
+    pair t of the row; zero where not valid) as `[BN/2, 1]` each."""
+    return (tl.load(x_row + 16 * ks, mask=valid, other=0)[:, None],
+            tl.load(x_row + 16 * ks + 4, mask=valid, other=0)[:, None],
+            tl.load(x_row + 16 * ks + 8, mask=valid, other=0)[:, None],
+            tl.load(x_row + 16 * ks + 12, mask=valid, other=0)[:, None])
+
+
+@triton.jit
+def _mma_store(out, col, acc0, acc1, acc2, acc3, valid):
+    m = valid[:, None]
+    ty = out.dtype.element_ty
+    tl.store(out + col, acc0.to(ty), mask=m)
+    tl.store(out + col + 1, acc1.to(ty), mask=m)
+    tl.store(out + col + 8, acc2.to(ty), mask=m)
+    tl.store(out + col + 9, acc3.to(ty), mask=m)
+
+
+@triton.jit
+def _mma_loop(a_rows, valid, out, a_rows_u, valid_u, out_u, w_e, s_e, n0, k_first, k_last, stride_wk, stride_sg,
+              GROUP: tl.constexpr, BN: tl.constexpr, PER_CHANNEL: tl.constexpr, NUM_STAGES: tl.constexpr,
+              UPPER: tl.constexpr):
+    """The K steps k_first..k_last of a BN-column tile on the tensor cores for rows g (and,
+    UPPER, g + 8) of each lane: activation rows a_rows / a_rows_u (`[BN/2]` pointers, zero
+    where not valid / valid_u), results stored at out / out_u (`[BN/2, 1]` row pointers) +
+    column.
+
+    Lane slot i = 32 nb + l (l = 4g + t: a warp's lanes, the Marlin block nb of 64 columns)
+    holds the words 4i..4i+3 of each K tile row, i.e. its 4 column tiles `[BN/2, 4]`: exactly
+    the B fragments that lane l gives an mma of that block (DESIGN §4). It relies on Triton's
+    coalesced layout giving a warp's 32 lanes 32 consecutive slots, 4 words each (BN >= 64
+    x warps; the GPU tests against the reference check it). The sum over K stays in each
+    mma's fp32 accumulator; the group scale multiplies each step's (one group's) sum."""
+    i = tl.arange(0, BN // 2)
+    t = i % 4                                                               # lane % 4
+    tile = tl.arange(0, 4)
+    wcol = (n0 // 64) * 128 + i[:, None] * 4 + tile[None, :]                # [BN/2, 4] words
+    col = n0 + (i // 32)[:, None] * 64 + tile[None, :] * 16 + (2 * t)[:, None]   # d0's column
+    # its scale pair in Marlin's 8x8 transpose (`_scale_col` / 2): 4 consecutive int32 a lane
+    sc_pair = (n0 // 64 + i // 32)[:, None] * 32 + (8 * t)[:, None] + tile[None, :]
+    sc_pair = tl.max_contiguous(tl.multiple_of(sc_pair, [4, 4]), [1, 4])
+    acc0 = tl.zeros([BN // 2, 4], tl.float32)
+    acc1, acc2, acc3, up0, up1, up2, up3 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
+    for ks in tl.range(k_first, k_last, num_stages=NUM_STAGES):
+        w0 = tl.load(w_e + (2 * ks) * stride_wk + wcol)
+        w1 = tl.load(w_e + (2 * ks + 1) * stride_wk + wcol)
+        xa0, xb0, xa1, xb1 = _mma_pairs(a_rows + t, valid, ks)
+        if UPPER:
+            ya0, yb0, ya1, yb1 = _mma_pairs(a_rows_u + t, valid_u, ks)
+        else:
+            ya0 = tl.zeros_like(xa0)
+            yb0, ya1, yb1 = ya0, ya0, ya0
+        d0, d1, d2, d3, e0, e1, e2, e3 = tl.inline_asm_elementwise(
+            _MMA_PTX, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,r", [w0, w1, xa0, xb0, xa1, xb1, ya0, yb0, ya1, yb1],
+            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        s0, s1, s2, s3 = _mma_scales(s_e + (32 * ks // GROUP) * stride_sg, col, sc_pair, PER_CHANNEL)
+        acc0 += d0 * s0
+        acc1 += d1 * s1
+        acc2 += d2 * s2
+        acc3 += d3 * s3
+        if UPPER:
+            up0 += e0 * s0
+            up1 += e1 * s1
+            up2 += e2 * s2
+            up3 += e3 * s3
+    _mma_store(out, col, acc0, acc1, acc2, acc3, valid)
+    if UPPER:
+        _mma_store(out_u, col, up0, up1, up2, up3, valid_u)
+
+
 @triton.jit
 def _gemv_kernel(
     a_ptr, w_ptr, s_ptr,                  # fp16 activations [rows, K] seen as int32 pairs; int32 words [E, K/16, 2N]; scales [E, K/g, N]
@@ -166,6 +286,7 @@ def _gemv_kernel(
     A_DIV, STEPS_PER_SPLIT, K_STEPS,
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PER_CHANNEL: tl.constexpr, NUM_STAGES: tl.constexpr,
     ACT: tl.constexpr, ACT_BLOCK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr, PTX: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     """Program (row block, column tile, K split). Row block = one assignment when BM == 1
     (expert from topk_ids), else BM sorted assignments of one expert; assignment a reads
@@ -173,33 +294,47 @@ def _gemv_kernel(
     ACT (w13, BM == 1): the last of assignment a's programs (column tiles x K splits) to store
     its partials then writes a's act row, as `_half_kernel` GATED would (SP: splits, next
     power of two). PDL: launched as a dependent of the previous kernel (kernels.pdl).
-    PTX: packed fp16 maths in inline PTX (False: the interpreter's fp32 version)."""
+    PTX: packed fp16 maths in inline PTX (False: the interpreter's fp32 version).
+    MMA (PTX, BM > 1): the words go through the tensor cores instead (`_mma_loop`)."""
     pdl.enter(PDL)
+    # rows of the program's assignments: [BM], or with MMA one per lane slot (row g of lane 4g + t)
+    r = (tl.arange(0, BN // 2) % 32) // 4 if MMA else tl.arange(0, BM)
     if BM == 1:
         a = tl.program_id(0)
         e = tl.load(ids_ptr + a)
-        assign = a + tl.zeros([1], tl.int32)
-        valid = assign >= 0
+        assign = a + 0 * r
+        valid = r == 0
     else:
-        e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM)
+        e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM, r)
         if e < 0:
             return
     pid_n, pid_k = tl.program_id(1), tl.program_id(2)
-    r = tl.arange(0, 8)
-    wrow = (r // 4) * stride_wk + (r % 4) * 4                       # word row (kt, t)
-    wcol, n_lo = _tile(pid_n * BN, BN)
-    sc_pair = (wcol // 128) * 32 + (wcol % 128) // 16 * 4 + wcol % 4   # scale pair (n_lo, n_lo + 8)
     w_e = w_ptr + e.to(tl.int64) * stride_we
     s_e = s_ptr + e.to(tl.int64) * stride_se
-    a_ptrs = a_ptr + (assign // A_DIV).to(tl.int64)[:, None] * stride_a + ((r // 4) * 8 + r % 4)[None, :]  # [BM, 8]
-    acc_lo = tl.zeros([BM, 8, BN // 2], tl.float32)
-    acc_hi = tl.zeros([BM, 8, BN // 2], tl.float32)
     k_first = pid_k * STEPS_PER_SPLIT
-    for ks in tl.range(k_first, tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT), num_stages=NUM_STAGES):
-        acc_lo, acc_hi = _step(acc_lo, acc_hi, a_ptrs, valid[:, None], w_e, s_e, ks, wrow, wcol, sc_pair,
-                               n_lo, stride_wk, stride_sg, GROUP, PER_CHANNEL, PTX)
+    k_last = tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT)
     out = out_ptr + pid_k.to(tl.int64) * stride_os + assign.to(tl.int64)[:, None] * stride_oa
-    _store_cols(out, acc_lo, acc_hi, n_lo, valid)
+    a_rows = a_ptr + (assign // A_DIV).to(tl.int64) * stride_a
+    if MMA:  # rows g (above) and g + 8 of each lane
+        assign_u, valid_u = assign, valid & (BM > 8)
+        if BM > 8:
+            _, assign_u, valid_u = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM, r + 8)
+        _mma_loop(a_rows, valid, out, a_ptr + (assign_u // A_DIV).to(tl.int64) * stride_a, valid_u,
+                  out_ptr + pid_k.to(tl.int64) * stride_os + assign_u.to(tl.int64)[:, None] * stride_oa,
+                  w_e, s_e, pid_n * BN, k_first, k_last, stride_wk, stride_sg, GROUP, BN, PER_CHANNEL, NUM_STAGES,
+                  BM > 8)
+    else:
+        r8 = tl.arange(0, 8)
+        wrow = (r8 // 4) * stride_wk + (r8 % 4) * 4                       # word row (kt, t)
+        wcol, n_lo = _tile(pid_n * BN, BN)
+        sc_pair = (wcol // 128) * 32 + (wcol % 128) // 16 * 4 + wcol % 4   # scale pair (n_lo, n_lo + 8)
+        a_ptrs = a_rows[:, None] + ((r8 // 4) * 8 + r8 % 4)[None, :]       # [BM, 8]
+        acc_lo = tl.zeros([BM, 8, BN // 2], tl.float32)
+        acc_hi = tl.zeros([BM, 8, BN // 2], tl.float32)
+        for ks in tl.range(k_first, k_last, num_stages=NUM_STAGES):
+            acc_lo, acc_hi = _step(acc_lo, acc_hi, a_ptrs, valid[:, None], w_e, s_e, ks, wrow, wcol, sc_pair,
+                                   n_lo, stride_wk, stride_sg, GROUP, PER_CHANNEL, PTX)
+        _store_cols(out, acc_lo, acc_hi, n_lo, valid)
     if ACT:
         a = tl.program_id(0)
         if ticket.last_to_arrive(count_ptr + a, tl.num_programs(1) * tl.num_programs(2)):
@@ -307,12 +442,15 @@ def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids
     else:
         act = tw = count = out
         act_block, sp = 1, 1
+    mma = USE_MMA and _ptx(a) and cfg.block_m > 1
     _gemv_kernel[(blocks, n // bn, split)](
         a.view(torch.int32), w, scales, ids, *route, out, act, tw, count,
         a.stride(0) // 2, w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
         act.stride(0), a_div, per_split, k_steps,
-        GROUP=group, BM=cfg.block_m, BN=bn, PER_CHANNEL=k == group, num_warps=cfg.num_warps, NUM_STAGES=cfg.num_stages,
-        ACT=fuse, ACT_BLOCK=act_block, SP=sp, PTX=_ptx(a), **pdl.args(pdl.on(a)))
+        GROUP=group, BM=cfg.block_m, BN=bn, PER_CHANNEL=k == group, NUM_STAGES=cfg.num_stages,
+        num_warps=min(cfg.num_warps, bn // 64) if mma else cfg.num_warps,
+        ACT=fuse, ACT_BLOCK=act_block, SP=sp, PTX=_ptx(a), MMA=mma,
+        **pdl.args(pdl.on(a)))
     return act if fuse else out
 
 

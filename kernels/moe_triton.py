@@ -90,14 +90,23 @@ TILE_TABLE: list[tuple[float, dict]] = [
     (42.7, dict(block_m=32, block_k13=64, block_k2=64)),
     (float("inf"), dict(block_m=64, block_k13=64, block_k2=64, join=True)),
 ]
+# Calls whose tokens come several to a stream (a DDTree verify: a stream's tree nodes, which
+# route to many of the same experts) and land on the CUDA-core path: sorted row blocks of
+# this many rows, which that path runs on the tensor cores (kernels.moe_gemv `_mma_loop`;
+# one row a block stays on its packed fp16 dot, faster there). Read at each call; 1 = off.
+# H200, `ddbench e2e` c=1 budget 8 (9 tokens a stream): docs/BENCHMARKS.md, e2e session 8.
+STREAM_BLOCK_M = 8
 
 
 def default_config(tokens: int, top_k: int, n_experts: int, inter: int, hidden: int,
-                   n_sms: int = 132, table: list | None = None) -> MoeTritonConfig:
+                   n_sms: int = 132, table: list | None = None, stream_rows: int = 1) -> MoeTritonConfig:
     """Tiles from `table` (default TILE_TABLE) by tokens per expert, narrowed to divide the
-    shapes, and w13's K split while its grid would leave SMs idle."""
+    shapes, and w13's K split while its grid would leave SMs idle. stream_rows: tokens a
+    stream in this call (> 1: STREAM_BLOCK_M rows a block on the CUDA-core path)."""
     per_expert = tokens * top_k / n_experts
     fields = next(f for bound, f in (table or TILE_TABLE) if per_expert <= bound)
+    if fields.get("gemv") and stream_rows > 1:
+        fields = {**fields, "block_m": STREAM_BLOCK_M}
     cfg = replace(MoeTritonConfig(), **fields)
     if cfg.gemv:  # column tiles narrowed to divide 2I and H; K split from kernels.moe_gemv
         bn13, bn2 = cfg.block_n13, cfg.block_n2
@@ -323,15 +332,16 @@ def _k_layout(stride_wk, BK: tl.constexpr, JOIN: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM: tl.constexpr):
-    """This program's expert (-1: nothing to do), its sorted assignments and their validity."""
+def _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM: tl.constexpr, r):
+    """This program's expert (-1: nothing to do), and for row indices r (any shape, values
+    0..: `tl.arange(0, BM)`, or a row per lane) its sorted assignments and their validity."""
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     e_safe = tl.maximum(e, 0)
     start = tl.load(expert_start_ptr + e_safe)
     cnt = tl.where(e >= 0, tl.load(counts_ptr + e_safe), 0)
-    pos = pid_m * BM + tl.arange(0, BM)
-    valid = pos - start < cnt
+    pos = pid_m * BM + r
+    valid = (pos - start < cnt) & (r < BM)
     assign = tl.load(sorted_ptr + pos, mask=valid, other=0)
     return e, assign, valid
 
@@ -356,7 +366,7 @@ def _w13_kernel(
     VEC_G: tl.constexpr, VEC_U: tl.constexpr, KIND: tl.constexpr, BIAS: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
 ):
-    e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM)
+    e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM, tl.arange(0, BM))
     if e < 0:
         return
     pid_n = tl.program_id(1)
@@ -412,7 +422,7 @@ def _w2_kernel(
     GATED: tl.constexpr, ATOMIC: tl.constexpr,
     VEC: tl.constexpr, KIND: tl.constexpr, BIAS: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM)
+    e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM, tl.arange(0, BM))
     if e < 0:
         return
     pid_n = tl.program_id(1)

@@ -137,6 +137,19 @@ def test_gemv_fused_act_equals_unfused(monkeypatch, tp, tokens, bn13, split, act
     assert rel_err(fused, fused_moe_ref(x.float(), ids, tw, w)) < 2e-3   # fp16 activations, whatever x's dtype
 
 
+def test_default_config_blocks_rows_of_a_stream():
+    """Several tokens a stream on the CUDA-core path (a tree verify): sorted blocks of
+    STREAM_BLOCK_M rows; one token a stream (decode) keeps one row a block."""
+    from kernels import moe_triton as mt
+
+    cfg = preset("k2.6", tp=8)
+    args = (9, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden)
+    assert mt.default_config(*args).block_m == 1
+    tree = mt.default_config(*args, stream_rows=9)
+    assert tree.gemv and tree.block_m == mt.STREAM_BLOCK_M
+    assert not mt.default_config(200, *args[1:], stream_rows=20).gemv
+
+
 def test_default_config_picks_gemv_for_few_tokens():
     cfg = preset("k2.6", tp=8)
     small = default_config(1, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden)
@@ -284,3 +297,33 @@ def test_gemv_fused_act_bf16_k26_graph(monkeypatch):
             assert _counters_zero(x)
             assert torch.equal(out, run(False)), (tokens, rep)
     assert default_config(1, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden).block_m == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,tp,tokens,bm,bn", [
+    ("tiny", 8, 5, 2, 64),        # per-channel w2 scales (K = group), one Marlin block a tile
+    ("tiny", 1, 9, 8, 128),
+    ("k2.6", 8, 9, 4, 256),
+    ("k2.6", 8, 13, 2, 256),
+    ("k2.6", 8, 30, 4, 128),
+    ("k2.6", 8, 60, 8, 256),
+    ("k2.6", 8, 60, 16, 128),     # rows g + 8 of each lane too
+])
+def test_gemv_tensor_cores_match_reference(monkeypatch, name, tp, tokens, bm, bn):
+    """The gemv's tensor-core loop (kernels.moe_gemv `_mma_loop`, sorted row blocks) against
+    the reference and against its packed fp16 loop, 2-16 rows a block, 1-4 warps (BN 64-256),
+    grouped and per-channel scales."""
+    from kernels import moe_gemv as mg
+
+    cfg = preset(name, tp=tp)
+    n_exp = min(32, cfg.n_experts)
+    w = random_marlin_moe(n_exp, cfg.hidden, cfg.moe_inter_local, cfg.group_size, cfg.top_k, device="cuda",
+                          seed=tokens)
+    x = torch.randn(tokens, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    ids, tw = synthetic_routing("skewed", tokens, n_exp, cfg.top_k, device="cuda", seed=tokens)
+    mcfg = MoeTritonConfig(gemv=True, block_m=bm, block_n13=bn, block_n2=bn, split_k=0)
+    ref = fused_moe_ref(x.float(), ids, tw, w)
+    y = fused_moe_triton(x, ids, tw, w, mcfg)
+    monkeypatch.setattr(mg, "USE_MMA", False)
+    y_cores = fused_moe_triton(x, ids, tw, w, mcfg)
+    assert rel_err(y, ref) < 2e-3 and rel_err(y_cores, ref) < 2e-3
