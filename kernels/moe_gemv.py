@@ -29,7 +29,7 @@ by expert (`moe_triton.align_tokens`), so an expert's words are read once for it
 compiled, such blocks run on the tensor cores (`_mma_loop`, USE_MMA): Marlin's layout gives
 lane 4g + t of a warp the B fragments of an mma.m16n8k16 directly, the dequantized words are
 multiplied by up to 16 rows at the cost of one (rows g and g + 8 of each lane; fp32 sums),
-which is where rows share experts (a DDTree verify, `moe_triton.STREAM_BLOCK_M`). One row a
+which is where rows share experts (a DDTree verify, `moe_triton.STREAM_TILES`). One row a
 block stays on the packed fp16 dot: there the mma, 1/16 used, was slower (+570 us in the
 c=1 decode step on the H200, docs/BENCHMARKS.md).
 """

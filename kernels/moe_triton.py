@@ -91,22 +91,26 @@ TILE_TABLE: list[tuple[float, dict]] = [
     (float("inf"), dict(block_m=64, block_k13=64, block_k2=64, join=True)),
 ]
 # Calls whose tokens come several to a stream (a DDTree verify: a stream's tree nodes, which
-# route to many of the same experts) and land on the CUDA-core path: sorted row blocks of
-# this many rows, which that path runs on the tensor cores (kernels.moe_gemv `_mma_loop`;
-# one row a block stays on its packed fp16 dot, faster there). Read at each call; 1 = off.
-# H200, `ddbench e2e` c=1 budget 8 (9 tokens a stream): docs/BENCHMARKS.md, e2e session 8.
-STREAM_BLOCK_M = 8
+# route to many of the same experts): up to `bound` tokens per expert, the CUDA-core path
+# with the tokens sorted by expert into blocks of `rows` rows, which it runs on the tensor
+# cores (kernels.moe_gemv `_mma_loop`: up to 16 rows for the cost of one). (bound, rows)
+# rows, first match; beyond the last bound TILE_TABLE applies; [] turns it off (read at each
+# call). H200, `ddbench e2e` budget 8: c=1 (9 tokens a stream, 0.19 per expert) verify MoE
+# 7609 us one row a block, 6434 with 8 rows, 6654 with 16; c=10 (1.9 per expert) 24419 us
+# on the tl.dot path, 21973 with 8 rows, 20606 with 16 (docs/BENCHMARKS.md, e2e session 8).
+STREAM_TILES: list[tuple[float, int]] = [(0.3, 8), (10.7, 16)]
 
 
 def default_config(tokens: int, top_k: int, n_experts: int, inter: int, hidden: int,
                    n_sms: int = 132, table: list | None = None, stream_rows: int = 1) -> MoeTritonConfig:
     """Tiles from `table` (default TILE_TABLE) by tokens per expert, narrowed to divide the
     shapes, and w13's K split while its grid would leave SMs idle. stream_rows: tokens a
-    stream in this call (> 1: STREAM_BLOCK_M rows a block on the CUDA-core path)."""
+    stream in this call (> 1: STREAM_TILES first)."""
     per_expert = tokens * top_k / n_experts
     fields = next(f for bound, f in (table or TILE_TABLE) if per_expert <= bound)
-    if fields.get("gemv") and stream_rows > 1:
-        fields = {**fields, "block_m": STREAM_BLOCK_M}
+    rows = next((r for bound, r in STREAM_TILES if per_expert <= bound), 0) if stream_rows > 1 else 0
+    if rows:  # TILE_TABLE's first row is the CUDA-core one
+        fields = {**TILE_TABLE[0][1], "block_m": rows}
     cfg = replace(MoeTritonConfig(), **fields)
     if cfg.gemv:  # column tiles narrowed to divide 2I and H; K split from kernels.moe_gemv
         bn13, bn2 = cfg.block_n13, cfg.block_n2

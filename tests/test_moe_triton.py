@@ -138,16 +138,20 @@ def test_gemv_fused_act_equals_unfused(monkeypatch, tp, tokens, bn13, split, act
 
 
 def test_default_config_blocks_rows_of_a_stream():
-    """Several tokens a stream on the CUDA-core path (a tree verify): sorted blocks of
-    STREAM_BLOCK_M rows; one token a stream (decode) keeps one row a block."""
+    """Several tokens a stream (a tree verify): sorted blocks on the CUDA-core path by
+    STREAM_TILES up to its last bound, TILE_TABLE beyond; one token a stream (decode) keeps
+    TILE_TABLE's one row a block."""
     from kernels import moe_triton as mt
 
     cfg = preset("k2.6", tp=8)
-    args = (9, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden)
-    assert mt.default_config(*args).block_m == 1
-    tree = mt.default_config(*args, stream_rows=9)
-    assert tree.gemv and tree.block_m == mt.STREAM_BLOCK_M
-    assert not mt.default_config(200, *args[1:], stream_rows=20).gemv
+    shape = (cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden)
+    assert mt.default_config(9, *shape).block_m == 1
+    for tokens in (9, 90):
+        want = next(r for bound, r in mt.STREAM_TILES if tokens * cfg.top_k / cfg.n_experts <= bound)
+        tree = mt.default_config(tokens, *shape, stream_rows=9)
+        assert tree.gemv and tree.block_m == want
+        assert not mt.default_config(tokens, *shape).gemv or tokens * cfg.top_k / cfg.n_experts <= 0.3
+    assert not mt.default_config(1000, *shape, stream_rows=100).gemv
 
 
 def test_default_config_picks_gemv_for_few_tokens():
