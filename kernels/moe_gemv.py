@@ -277,6 +277,12 @@ def _mma_loop(a_rows, valid, out, a_rows_u, valid_u, out_u, w_e, s_e, n0, k_firs
 
 
 @triton.jit
+def _row_ptrs(assign, a_ptr, stride_a, A_DIV, out_k, stride_oa):
+    """Assignments' activation rows (`assign // A_DIV` of a) and output rows `[.., 1]` of out_k."""
+    return a_ptr + (assign // A_DIV).to(tl.int64) * stride_a, out_k + assign.to(tl.int64)[:, None] * stride_oa
+
+
+@triton.jit
 def _gemv_kernel(
     a_ptr, w_ptr, s_ptr,                  # fp16 activations [rows, K] seen as int32 pairs; int32 words [E, K/16, 2N]; scales [E, K/g, N]
     ids_ptr, sorted_ptr, block_expert_ptr, expert_start_ptr, counts_ptr,   # routing
@@ -297,13 +303,13 @@ def _gemv_kernel(
     PTX: packed fp16 maths in inline PTX (False: the interpreter's fp32 version).
     MMA (PTX, BM > 1): the words go through the tensor cores instead (`_mma_loop`)."""
     pdl.enter(PDL)
-    # rows of the program's assignments: [BM], or with MMA one per lane slot (row g of lane 4g + t)
+    # rows of the program's assignments: [BM], or with MMA (BM > 1) one per lane slot (row g of lane 4g + t)
     r = (tl.arange(0, BN // 2) % 32) // 4 if MMA else tl.arange(0, BM)
     if BM == 1:
         a = tl.program_id(0)
         e = tl.load(ids_ptr + a)
-        assign = a + 0 * r
-        valid = r == 0
+        assign = a + tl.zeros([1], tl.int32)
+        valid = assign >= 0
     else:
         e, assign, valid = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM, r)
         if e < 0:
@@ -313,16 +319,15 @@ def _gemv_kernel(
     s_e = s_ptr + e.to(tl.int64) * stride_se
     k_first = pid_k * STEPS_PER_SPLIT
     k_last = tl.minimum(K_STEPS, k_first + STEPS_PER_SPLIT)
-    out = out_ptr + pid_k.to(tl.int64) * stride_os + assign.to(tl.int64)[:, None] * stride_oa
-    a_rows = a_ptr + (assign // A_DIV).to(tl.int64) * stride_a
-    if MMA:  # rows g (above) and g + 8 of each lane
-        assign_u, valid_u = assign, valid & (BM > 8)
+    out_k = out_ptr + pid_k.to(tl.int64) * stride_os
+    a_rows, out = _row_ptrs(assign, a_ptr, stride_a, A_DIV, out_k, stride_oa)
+    if MMA:  # rows g (above) and g + 8 of each lane (the latter used only when BM > 8)
+        assign_u, valid_u = assign, valid
         if BM > 8:
             _, assign_u, valid_u = _block_rows(block_expert_ptr, expert_start_ptr, counts_ptr, sorted_ptr, BM, r + 8)
-        _mma_loop(a_rows, valid, out, a_ptr + (assign_u // A_DIV).to(tl.int64) * stride_a, valid_u,
-                  out_ptr + pid_k.to(tl.int64) * stride_os + assign_u.to(tl.int64)[:, None] * stride_oa,
-                  w_e, s_e, pid_n * BN, k_first, k_last, stride_wk, stride_sg, GROUP, BN, PER_CHANNEL, NUM_STAGES,
-                  BM > 8)
+        a_rows_u, out_u = _row_ptrs(assign_u, a_ptr, stride_a, A_DIV, out_k, stride_oa)
+        _mma_loop(a_rows, valid, out, a_rows_u, valid_u, out_u, w_e, s_e, pid_n * BN, k_first, k_last, stride_wk,
+                  stride_sg, GROUP, BN, PER_CHANNEL, NUM_STAGES, BM > 8)
     else:
         r8 = tl.arange(0, 8)
         wrow = (r8 // 4) * stride_wk + (r8 % 4) * 4                       # word row (kt, t)

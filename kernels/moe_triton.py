@@ -107,10 +107,11 @@ def default_config(tokens: int, top_k: int, n_experts: int, inter: int, hidden: 
     shapes, and w13's K split while its grid would leave SMs idle. stream_rows: tokens a
     stream in this call (> 1: STREAM_TILES first)."""
     per_expert = tokens * top_k / n_experts
-    fields = next(f for bound, f in (table or TILE_TABLE) if per_expert <= bound)
     rows = next((r for bound, r in STREAM_TILES if per_expert <= bound), 0) if stream_rows > 1 else 0
     if rows:  # TILE_TABLE's first row is the CUDA-core one
         fields = {**TILE_TABLE[0][1], "block_m": rows}
+    else:
+        fields = next(f for bound, f in (table or TILE_TABLE) if per_expert <= bound)
     cfg = replace(MoeTritonConfig(), **fields)
     if cfg.gemv:  # column tiles narrowed to divide 2I and H; K split from kernels.moe_gemv
         bn13, bn2 = cfg.block_n13, cfg.block_n2
