@@ -1,0 +1,102 @@
+"""The dense GEMVs of K2.6 TP-8 decode layers (c=1) as one chain: kernel boundaries vs grid barriers (H200).
+
+python3 scripts/gpu/chain_probe.py [OUT_DIR] [LAYERS] [BK,...] [PROGRAMS_PER_SM,...]: per layer the six one-row
+products of a rank-0 shard, each reading the one before (wqkv_a 2112x7168 -> wq_b 1536x1536
+-> wo 7168x1024 -> router 384x7168 and shared w13 512x7168 (both from wo's output) -> shared
+w2 7168x256 -> the next layer's wqkv_a), 66 MB of bf16 weights a layer, LAYERS layers (default
+4: 264 MB, more than L2, so every replay reads DRAM). Variants, each a CUDA graph replayed back
+to back: `skinny` the engine's kernels (kernels.skinny, cuBLAS where N > K; PDL), then
+kernels.chain's kernel as `launch` (one launch a phase, PDL), `preload` (the same, first chunk
+loaded before the PDL wait), `barrier` (one persistent launch, grid barriers), `prefetch`
+(barriers, the next phase's first chunk loaded while waiting), each with 1 and 2 programs an
+SM (all resident: the barrier needs it). Checks
+each against the fp32 torch chain; prints us a layer, GB/s and the ratio to the bytes floor
+(weights / measured copy bandwidth). Last, the cost of a dependency alone: a chain of 48 tiny
+phases (256 x 256), us a phase, each variant. Writes OUT_DIR/chain_probe.csv. About 30 s.
+"""
+import csv
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
+from kernels import chain  # noqa: E402
+from kernels.moe_triton import sm_count  # noqa: E402
+from kernels.skinny import linear  # noqa: E402
+
+out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+out.mkdir(parents=True, exist_ok=True)
+layers = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+bks = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "256,512").split(",")]
+per_sm = [int(b) for b in (sys.argv[4] if len(sys.argv) > 4 else "1,2").split(",")]
+dev = torch.device("cuda")
+copy = copy_bandwidth_gbps(dev)
+LAYER = [(2112, 7168, -1), (1536, 1536, 0), (7168, 1024, 1), (384, 7168, 2), (512, 7168, 2), (7168, 256, 4)]
+shapes = []
+for layer in range(layers):
+    base = len(shapes)
+    for n, k, src in LAYER:
+        shapes.append((n, k, (base - 1 if layer else -1) if src < 0 else base + src))
+
+
+def skinny_chain(c: chain.Chain):
+    """The same chain through the engine's GEMM kernels (bf16 activations)."""
+    k_in = max(k for n, k, src in c.shapes if src < 0)
+    x_in = c.act[:k_in].to(torch.bfloat16)[None]
+    ws = [c.w[row[chain.W_OFF]:row[chain.W_OFF] + n * k].view(n, k) for (n, k, _), row in zip(c.shapes, c.rows)]
+
+    def fn():
+        outs = []
+        for (n, k, src), w in zip(c.shapes, ws):
+            outs.append(linear((x_in if src < 0 else outs[src])[:, :k], w))
+        return outs[-1][0]
+    return fn
+
+
+rows = []
+weight_bytes = sum(n * k * 2 for n, k, _ in shapes)
+floor_us = weight_bytes / (copy * 1e3)
+print(f"copy {copy:.0f} GB/s; {layers} layers, {weight_bytes / 1e6:.0f} MB of weights; "
+      f"floor {floor_us / layers:.1f} us a layer", flush=True)
+
+
+def record(mode: str, bk, pps, fn, per: int, err: float | None = None) -> None:
+    """Time fn (a CUDA graph of one call, replayed back to back); a row with us per `per`
+    (layers of the K2.6 chain, with GB/s and x floor; or tiny phases)."""
+    st = bench(fn, device=dev, warmup=3, reps=30, graph=True, graph_ops=1)
+    big = err is not None
+    rows.append(dict(mode=mode, bk=bk, per_sm=pps, layers=layers if big else "", us_per_layer=round(st.median_us / per, 2),
+                     p20_us=round(st.p20_us / per, 2), p80_us=round(st.p80_us / per, 2),
+                     gbps=round(weight_bytes / (st.median_us * 1e3), 1) if big else "",
+                     x_floor=round(st.median_us / floor_us, 3) if big else "",
+                     rel_err=f"{err:.1e}" if big else "", copy_gbps=round(copy)))
+    print(rows[-1], flush=True)
+
+
+for bk, pps in [(bk, pps) for bk in bks for pps in per_sm]:
+    c = chain.build(shapes, dev, pps * sm_count(dev), bk=bk)
+    ref = chain.reference(c)
+    for mode in ("skinny",) + chain.MODES:
+        if mode == "skinny" and (bk, pps) != (bks[0], per_sm[0]):
+            continue
+        fn = skinny_chain(c) if mode == "skinny" else (lambda m=mode: chain.run(c, m))
+        err = ((fn().float() - ref).norm() / ref.norm()).item()
+        if err > 2e-2:
+            print(f"WRONG: {mode} bk {bk} relative error {err:.1e}", flush=True)
+        record(mode, "" if mode == "skinny" else bk, "" if mode == "skinny" else pps, fn, layers, err)
+# the cost of a dependency alone: 48 phases of 256 x 256 (128 KB of weights each, L2-resident)
+tiny = chain.build([(256, 256, p - 1) for p in range(48)], dev, sm_count(dev), bk=256)
+for mode in ("skinny",) + chain.MODES:
+    record(f"{mode} (256x256 phases)", 256, 1,
+           skinny_chain(tiny) if mode == "skinny" else (lambda m=mode: chain.run(tiny, m)), 48)
+with open(out / "chain_probe.csv", "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+print(f"\n| variant | BK | programs / SM | us a layer (a phase: tiny) (p20-p80) | GB/s | "
+      f"x floor ({floor_us / layers:.1f} us) |\n|---|---|---|---|---|---|")
+for r in rows:
+    print(f"| {r['mode']} | {r['bk']} | {r['per_sm']} | {r['us_per_layer']} ({r['p20_us']}-{r['p80_us']}) "
+          f"| {r['gbps']} | {r['x_floor']} |")

@@ -1,0 +1,66 @@
+"""kernels.chain: a chain of dependent GEMVs, one phase a launch (CPU interpreter) and in one
+persistent launch with grid barriers (GPU), against the fp32 torch chain."""
+import pytest
+import torch
+
+from kernels import chain
+
+# phase (n, k, src): ragged n and k (tiles and K splits with tails), inputs from the input,
+# the previous phase and an older one
+SHAPES = [(64, 96, -1), (48, 64, 0), (100, 48, 1), (40, 96, 2), (72, 40, 2)]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check(c, mode, runs=2):
+    ref = chain.reference(c)
+    for _ in range(runs):   # the second run checks the zeroing and (barriers) the counter reset
+        out = chain.run(c, mode)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5, mode
+
+
+@pytest.mark.parametrize("mode", ["launch", "preload"])
+def test_chain_one_phase_a_launch_matches_torch(mode):
+    _check(chain.build(SHAPES, DEV, programs=3, bn=16, bk=32), mode)
+
+
+def test_splits_give_the_busiest_program_the_fewest_bytes():
+    assert chain.splits_for(2112, 7168, 16, 256, 132) == (1, 7168)       # 132 row blocks: one each
+    s, kper = chain.splits_for(384, 7168, 16, 256, 132)                  # 24 row blocks: split K
+    assert s > 1 and kper % 256 == 0 and s * kper >= 7168 and 24 * s <= 132
+
+
+def test_chain_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="does not have"):
+        chain.build([(32, 64, -1), (16, 64, 0)], "cpu", programs=2)
+    with pytest.raises(ValueError, match="last phase"):
+        chain.build([(64, 64, -1), (64, 64, 0)], "cpu", programs=2)
+    with pytest.raises(ValueError, match="mode"):
+        chain.run(chain.build(SHAPES, "cpu", programs=2, bk=32), "fast")
+    with pytest.raises(ValueError, match="GPU"):
+        chain.run(chain.build(SHAPES, "cpu", programs=2, bk=32), "barrier")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", chain.MODES)
+def test_gpu_chain_matches_torch(mode):
+    from kernels.moe_triton import sm_count
+    dev = torch.device("cuda")
+    _check(chain.build(SHAPES * 3 + [(96, 64, 4)], dev, programs=sm_count(dev), bn=16, bk=32), mode, runs=3)
+    big = [(2112, 7168, -1), (1536, 1536, 0), (7168, 1024, 1), (384, 7168, 2), (512, 7168, 2), (7168, 256, 4)]
+    _check(chain.build(big, dev, programs=sm_count(dev), bk=256), mode)
+
+
+@pytest.mark.gpu
+def test_gpu_chain_with_barriers_replays_in_a_cuda_graph():
+    from kernels.moe_triton import sm_count
+    dev = torch.device("cuda")
+    c = chain.build(SHAPES, dev, programs=sm_count(dev), bn=16, bk=32)
+    ref = chain.reference(c)
+    chain.run(c, "prefetch")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain.run(c, "prefetch")
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
