@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl, ticket
+from kernels.moe_triton import sm_count
 
 # phase table columns (int64): W's offset, its shape, x's and y's offsets, row blocks, K splits,
 # K per split, the region zeroed (offset, length)
@@ -36,6 +37,7 @@ W_OFF, N, K, X_OFF, Y_OFF, N_BLOCKS, SPLITS, K_PER, Z_OFF, Z_N = (tl.constexpr(i
 COLS = tl.constexpr(10)
 ZERO_BLOCK = tl.constexpr(1024)
 MODES = ("launch", "preload", "barrier", "prefetch")
+MAX_RESIDENT_PER_SM = 2   # barrier modes: programs an SM known to fit (122 registers, 27 KB shared at BK 256)
 
 
 @triton.jit
@@ -209,6 +211,9 @@ def run(chain: Chain, mode: str = "prefetch", num_stages: int = 4, num_warps: in
     else:
         if not chain.act.is_cuda:
             raise ValueError("grid barriers need every program resident at once: a GPU")
+        if chain.programs > MAX_RESIDENT_PER_SM * sm_count(chain.act.device):
+            raise ValueError(f"{chain.programs} programs with grid barriers: at most {MAX_RESIDENT_PER_SM} an SM "
+                             "(more might not all be resident, and the barrier would never open)")
         _chain_kernel[(chain.programs,)](chain.w, chain.act, chain.table, bar, 0, p_n, BARRIER=True,
                                          PREFETCH=mode == "prefetch", PDL=0, **meta)
     return chain.output()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kernels import chain
+from kernels.moe_triton import sm_count
 
 # phase (n, k, src): ragged n and k (tiles and K splits with tails), inputs from the input,
 # the previous phase and an older one
@@ -43,16 +44,22 @@ def test_chain_rejects_bad_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", chain.MODES)
 def test_gpu_chain_matches_torch(mode):
-    from kernels.moe_triton import sm_count
     dev = torch.device("cuda")
     _check(chain.build(SHAPES * 3 + [(96, 64, 4)], dev, programs=sm_count(dev), bn=16, bk=32), mode, runs=3)
     big = [(2112, 7168, -1), (1536, 1536, 0), (7168, 1024, 1), (384, 7168, 2), (512, 7168, 2), (7168, 256, 4)]
-    _check(chain.build(big, dev, programs=sm_count(dev), bk=256), mode)
+    _check(chain.build(big, dev, programs=chain.MAX_RESIDENT_PER_SM * sm_count(dev), bk=256), mode)
+
+
+@pytest.mark.gpu
+def test_gpu_chain_refuses_more_programs_than_stay_resident():
+    dev = torch.device("cuda")
+    c = chain.build(SHAPES, dev, programs=(chain.MAX_RESIDENT_PER_SM + 1) * sm_count(dev), bn=16, bk=32)
+    with pytest.raises(ValueError, match="resident"):
+        chain.run(c, "barrier")
 
 
 @pytest.mark.gpu
 def test_gpu_chain_with_barriers_replays_in_a_cuda_graph():
-    from kernels.moe_triton import sm_count
     dev = torch.device("cuda")
     c = chain.build(SHAPES, dev, programs=sm_count(dev), bn=16, bk=32)
     ref = chain.reference(c)
