@@ -39,7 +39,10 @@ Status (H200, docs/BENCHMARKS.md): correct at every point (rel. error 3.8e-3 in 
 wider tiles all slower), which points at the layout conversion of the dequantized tile to
 the dot operand, not at DRAM. `join=True` (each word loaded once, nibbles spread with
 tl.join so each thread holds 4 consecutive K rows) halved the time and is the default where
-it won (TILE_TABLE). An mma-fragment dequant (inline asm or CUDA) is the known way past.
+it won (TILE_TABLE). The mma-fragment dequant is `kernels.moe_gemv`'s tensor-core loop (LOP3
+on Marlin's words, which are the mma's B fragments as stored): with 16 sorted rows a block it
+is 12-24 % faster than this kernel at T = 16-512 (CUDA graphs, 25-29 % of copy), so
+TILE_TABLE sends those sizes there; this kernel runs above 10.7 tokens per expert.
 """
 from __future__ import annotations
 
@@ -79,26 +82,30 @@ class MoeTritonConfig:
 # `join` (each word loaded once) then halved the time at T <= 512 (block_m 16) and won
 # slightly at T = 4096, but lost at T = 1024-2048 with block_m 32 (3891 vs 3366 us,
 # 7480 vs 6563 us): results/h200/moe_sweep_tp8_join.csv against moe_sweep_tp8.csv.
-# The CUDA-core path (kernels.moe_gemv) wins with uniform routing up to T = 64 (about 1.3
-# per expert: results/h200/moe_tune_gemv*.csv) but in the engine, whose tree nodes share
-# experts, it loses from T = 17 on, so it runs up to 0.3 per expert (T <= 14 at K2.6):
-# `ddbench e2e` verify MoE at c=1 T=9 9.7 vs 13.2 ms, T=17 17.6 vs 14.0 ms, decode c=10
-# (T=10) 10.3 vs 17.4 ms (docs/BENCHMARKS.md).
+# kernels.moe_gemv, one row a block (packed fp16 dot), runs up to 0.3 per expert (T <= 14 at
+# K2.6; decode c=10, T=10: 10.3 vs 17.4 ms, docs/BENCHMARKS.md); above, rows sorted by expert
+# into blocks of 16 that it runs on the tensor cores, up to 10.7 per expert (T <= 512):
+# `ddbench moe-sweep`, uniform routing, CUDA graphs, H200 2026-12-03 09:17
+# (results/h200/moe_sweep_tp8_{default,gemv8,gemv16}-20261203-0917.csv), against this file's
+# kernel (m16 join): T=16 365 -> 276 us, 32 597 -> 500, 64 872 -> 705, 128 1032 -> 903, 256
+# 1129 -> 994, 512 1333 -> 1125; 8-row blocks 2-6 % faster than 16 at T = 32-256, slower at
+# 16 and 512 (+7 % against m16 join), so 16 throughout.
 TILE_TABLE: list[tuple[float, dict]] = [
     (0.3, dict(gemv=True, block_m=1, block_n13=256, block_n2=256)),
-    (10.7, dict(block_m=16, block_k13=64, block_k2=64, join=True)),
+    (10.7, dict(gemv=True, block_m=16, block_n13=256, block_n2=256)),
     (42.7, dict(block_m=32, block_k13=64, block_k2=64)),
     (float("inf"), dict(block_m=64, block_k13=64, block_k2=64, join=True)),
 ]
 # Calls whose tokens come several to a stream (a DDTree verify: a stream's tree nodes, which
 # route to many of the same experts): up to `bound` tokens per expert, the CUDA-core path
 # with the tokens sorted by expert into blocks of `rows` rows, which it runs on the tensor
-# cores (kernels.moe_gemv `_mma_loop`: up to 16 rows for the cost of one). (bound, rows)
-# rows, first match; beyond the last bound TILE_TABLE applies; [] turns it off (read at each
-# call). H200, `ddbench e2e` budget 8: c=1 (9 tokens a stream, 0.19 per expert) verify MoE
-# 7609 us one row a block, 6434 with 8 rows, 6654 with 16; c=10 (1.9 per expert) 24419 us
-# on the tl.dot path, 21973 with 8 rows, 20606 with 16 (docs/BENCHMARKS.md, e2e session 8).
-STREAM_TILES: list[tuple[float, int]] = [(0.3, 8), (10.7, 16)]
+# cores (kernels.moe_gemv `_mma_loop`: up to 16 rows for the cost of one), where one token a
+# stream takes one row a block. (bound, rows), first match; beyond the last bound TILE_TABLE
+# applies (16-row blocks up to 10.7 per expert); [] turns it off (read at each call). H200,
+# `ddbench e2e` budget 8: c=1 (9 tokens a stream, 0.19 per expert) verify MoE 7609 us one row
+# a block, 6434 with 8 rows, 6654 with 16; c=10 (1.9 per expert) 24419 us on the tl.dot
+# path, 21973 with 8 rows, 20606 with 16 (docs/BENCHMARKS.md, e2e session 8).
+STREAM_TILES: list[tuple[float, int]] = [(0.3, 8)]
 
 
 def default_config(tokens: int, top_k: int, n_experts: int, inter: int, hidden: int,
