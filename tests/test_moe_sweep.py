@@ -39,15 +39,18 @@ def test_cpu_default_runs_tiny_torch(tmp_path):
 
 
 def test_triton_backend_interpreter_with_check(tmp_path):
-    r = runner.invoke(app, ["moe-sweep", "--device", "cpu", "--backends", "triton", "--tokens", "1,6",
+    r = runner.invoke(app, ["moe-sweep", "--device", "cpu", "--backends", "triton", "--tokens", "1,6,48",
                             "--tp", "8", "--check", "--routing", "skewed", "--name", "t1", "--out", str(tmp_path), *FAST])
     assert r.exit_code == 0, r.output
     assert "interpreter" in r.output
     df = pd.read_csv(tmp_path / "t1.csv")
     lay = df[df.stage == "layer"].set_index("tokens")
     err = lay["rel_err"].astype(float)
-    assert len(lay) == 2 and err[1] < 2e-3 and err[6] < 1e-4   # the CUDA-core path (T=1) multiplies in fp16
-    assert lay.loc[1, "tiles"].startswith("gemv-m1") and lay.loc[6, "tiles"].startswith("m16")   # CUDA cores at T=1
+    # tiny: 16 experts, top-4: T=1 one row a block, T=6 (1.5 a expert) 16-row sorted blocks, both
+    # the CUDA-core kernels (fp16 activations); T=48 (12 a expert) the tl.dot kernel (fp32 here)
+    assert len(lay) == 3 and err[1] < 2e-3 and err[6] < 2e-3 and err[48] < 1e-4
+    assert lay.loc[1, "tiles"].startswith("gemv-m1n") and lay.loc[6, "tiles"].startswith("gemv-m16")
+    assert lay.loc[48, "tiles"].startswith("m32")
     assert set(df[df.tokens == 1].stage) >= {"layer", "w13", "w2"}
 
 
