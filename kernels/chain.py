@@ -58,20 +58,33 @@ def _wait(bar_ptr, target):
 
 
 @triton.jit
+def _phase(w_ptr, row, BK: tl.constexpr):
+    """Table row `row` -> the phase's n, k, K splits, K per split, tiles and W pointer."""
+    k = tl.multiple_of(tl.load(row + K).to(tl.int32), 8)            # (16-byte weight loads)
+    splits = tl.load(row + SPLITS).to(tl.int32)
+    kper = tl.multiple_of(tl.load(row + K_PER).to(tl.int32), BK)
+    tiles = tl.load(row + N_BLOCKS).to(tl.int32) * splits
+    return tl.load(row + N).to(tl.int32), k, splits, kper, tiles, w_ptr + tl.multiple_of(tl.load(row + W_OFF), 8)
+
+
+@triton.jit
+def _tile(t, n, k, splits, kper, rows):
+    """Tile t: its W rows (and which exist) and its K range [k_beg, k_end)."""
+    n_idx = (t // splits) * rows.shape[0] + rows
+    k_beg = (t % splits) * kper
+    return n_idx, n_idx < n, k_beg, tl.minimum(k, k_beg + kper)
+
+
+@triton.jit
 def _first_chunk(w_ptr, row, pid, rows, kk):
     """Program pid's first [BN, BK] chunk of weights in the phase of table row `row` (its
     first tile is tile pid; zeros outside W) and whether it has one (int32)."""
-    n = tl.load(row + N).to(tl.int32)
-    k = tl.multiple_of(tl.load(row + K).to(tl.int32), 8)
-    splits = tl.load(row + SPLITS).to(tl.int32)
-    kper = tl.multiple_of(tl.load(row + K_PER).to(tl.int32), kk.shape[0])
-    has = (pid < tl.load(row + N_BLOCKS).to(tl.int32) * splits).to(tl.int32)
-    n_idx = (pid // splits) * rows.shape[0] + rows
-    k_idx = (pid % splits) * kper + kk
-    k_end = tl.where(has != 0, tl.minimum(k, (pid % splits) * kper + kper), 0)
-    ok = (n_idx < n)[:, None] & (k_idx < k_end)[None, :]
-    w_p = w_ptr + tl.multiple_of(tl.load(row + W_OFF), 8)
-    return tl.load(w_p + n_idx.to(tl.int64)[:, None] * k + k_idx[None, :], mask=ok, other=0.0), has
+    n, k, splits, kper, tiles, w_p = _phase(w_ptr, row, kk.shape[0])
+    has = (pid < tiles).to(tl.int32)
+    n_idx, n_ok, k_beg, k_end = _tile(pid, n, k, splits, kper, rows)
+    k_end = tl.where(has != 0, k_end, 0)
+    ok = n_ok[:, None] & (k_beg + kk < k_end)[None, :]
+    return tl.load(w_p + n_idx.to(tl.int64)[:, None] * k + (k_beg + kk)[None, :], mask=ok, other=0.0), has
 
 
 @triton.jit
@@ -93,11 +106,7 @@ def _chain_kernel(w_ptr, act_ptr, table_ptr, bar_ptr, p_first, p_last,
     pdl.enter(PDL)
     for p in range(p_first, p_last):
         row = table_ptr + p * COLS
-        n = tl.load(row + N).to(tl.int32)
-        k = tl.multiple_of(tl.load(row + K).to(tl.int32), 8)            # (16-byte weight loads)
-        splits = tl.load(row + SPLITS).to(tl.int32)
-        kper = tl.multiple_of(tl.load(row + K_PER).to(tl.int32), BK)
-        w_p = w_ptr + tl.multiple_of(tl.load(row + W_OFF), 8)
+        n, k, splits, kper, tiles, w_p = _phase(w_ptr, row, BK)
         x_p = act_ptr + tl.multiple_of(tl.load(row + X_OFF), 8)
         y_p = act_ptr + tl.load(row + Y_OFF)
         z_p = act_ptr + tl.load(row + Z_OFF)
@@ -105,11 +114,8 @@ def _chain_kernel(w_ptr, act_ptr, table_ptr, bar_ptr, p_first, p_last,
         for z in range(pid * ZERO_BLOCK, z_n, progs * ZERO_BLOCK):
             zi = z + tl.arange(0, ZERO_BLOCK)
             tl.store(z_p + zi, tl.zeros([ZERO_BLOCK], tl.float32), mask=zi < z_n)
-        for t in range(pid, tl.load(row + N_BLOCKS).to(tl.int32) * splits, progs):
-            n_idx = (t // splits) * BN + rows
-            n_ok = n_idx < n
-            k_beg = (t % splits) * kper
-            k_end = tl.minimum(k, k_beg + kper)
+        for t in range(pid, tiles, progs):
+            n_idx, n_ok, k_beg, k_end = _tile(t, n, k, splits, kper, rows)
             w_rows = w_p + n_idx.to(tl.int64)[:, None] * k
             use_pre = (t == pid) & (have_pre != 0)
             load_end = tl.where(use_pre, k_beg, k_end)                # the prefetched chunk is not loaded again
@@ -146,6 +152,15 @@ class Chain:
     bn: int
     bk: int
     programs: int
+
+    def input(self) -> torch.Tensor:
+        """The chain's input (phases with src -1 read its first k values)."""
+        return self.act[:max(k for n, k, src in self.shapes if src < 0)]
+
+    def weight(self, p: int) -> torch.Tensor:
+        """W of phase p, `[n, k]` (a view)."""
+        row = self.rows[p]
+        return self.w[row[W_OFF]:row[W_OFF] + row[N] * row[K]].view(row[N], row[K])
 
     def output(self, p: int = -1) -> torch.Tensor:
         row = self.rows[p]
@@ -221,11 +236,7 @@ def run(chain: Chain, mode: str = "prefetch", num_stages: int = 4, num_warps: in
 
 def reference(chain: Chain) -> torch.Tensor:
     """The last phase's output in fp32 torch (same input, same bf16 weights)."""
-    k_in = max(k for n, k, src in chain.shapes if src < 0)
-    x_in = chain.act[:k_in].float()
     outs = []
-    for (n, k, src), row in zip(chain.shapes, chain.rows):
-        w = chain.w[row[W_OFF]:row[W_OFF] + n * k].view(n, k).float()
-        x = (x_in if src < 0 else outs[src])[:k]
-        outs.append(w @ x)
+    for p, (n, k, src) in enumerate(chain.shapes):
+        outs.append(chain.weight(p).float() @ (chain.input() if src < 0 else outs[src])[:k].float())
     return outs[-1]

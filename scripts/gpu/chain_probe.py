@@ -43,9 +43,8 @@ for layer in range(layers):
 
 def skinny_chain(c: chain.Chain):
     """The same chain through the engine's GEMM kernels (bf16 activations)."""
-    k_in = max(k for n, k, src in c.shapes if src < 0)
-    x_in = c.act[:k_in].to(torch.bfloat16)[None]
-    ws = [c.w[row[chain.W_OFF]:row[chain.W_OFF] + n * k].view(n, k) for (n, k, _), row in zip(c.shapes, c.rows)]
+    x_in = c.input().to(torch.bfloat16)[None]
+    ws = [c.weight(p) for p in range(len(c.shapes))]
 
     def fn():
         outs = []
@@ -67,7 +66,8 @@ def record(mode: str, bk, pps, fn, per: int, err: float | None = None) -> None:
     (layers of the K2.6 chain, with GB/s and x floor; or tiny phases)."""
     st = bench(fn, device=dev, warmup=3, reps=30, graph=True, graph_ops=1)
     big = err is not None
-    rows.append(dict(mode=mode, bk=bk, per_sm=pps, layers=layers if big else "", us_per_layer=round(st.median_us / per, 2),
+    rows.append(dict(mode=mode, bk=bk, per_sm=pps, layers=layers if big else "",
+                     us_per_layer=round(st.median_us / per, 2),
                      p20_us=round(st.p20_us / per, 2), p80_us=round(st.p80_us / per, 2),
                      gbps=round(weight_bytes / (st.median_us * 1e3), 1) if big else "",
                      x_floor=round(st.median_us / floor_us, 3) if big else "",
