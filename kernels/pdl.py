@@ -15,14 +15,9 @@ whatever overlaps:
    older. A kernel without PDL in the chain (cuBLAS, torch) starts after its predecessor ends.
 
 Modes (`mode`): 0 off, 1 wait only (the next kernel launches when this one's programs end),
-2 wait then trigger (the next kernel's programs may become resident while this one runs),
-3 trigger then wait (`EARLY`): a kernel is let in once every program of its predecessor has
-started, so while kernel i runs, i+1, i+2, .. become resident as deep as the SMs hold them and
-load their static weights; still correct, as each one's wait returns only after its
-predecessor completed, which waited for its own (rule 2 then reads "overlaps its
-predecessors").
+2 wait then trigger (the next kernel's programs may become resident while this one runs).
 An L2 prefetch of each GEMM's weights before the wait was measured slower (docs/BENCHMARKS.md).
-`ENABLED` (environment `DDBENCH_PDL=0` turns it off), `TRIGGER` and `EARLY` are read at each launch.
+`ENABLED` (environment `DDBENCH_PDL=0` turns it off) and `TRIGGER` are read at each launch.
 """
 from __future__ import annotations
 
@@ -35,7 +30,6 @@ import triton.language as tl
 
 ENABLED = os.environ.get("DDBENCH_PDL", "1") != "0"
 TRIGGER = True    # mode 2 (see above) when enabled, else mode 1
-EARLY = False     # mode 3 instead of 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +42,7 @@ def on(t: torch.Tensor) -> int:
     if not (ENABLED and t.is_cuda and _hopper(t.device.index if t.device.index is not None else
                                               torch.cuda.current_device())):
         return 0
-    return (3 if EARLY else 2) if TRIGGER else 1
+    return 2 if TRIGGER else 1
 
 
 def args(mode: int) -> dict:
@@ -59,11 +53,8 @@ def args(mode: int) -> dict:
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """Rule 1: wait for the previous kernel (its writes visible); in modes 2 and 3 let the
-    next launch (mode 3 before waiting)."""
-    if PDL == 3:
-        tl.extra.cuda.gdc_launch_dependents()
+    """Rule 1: wait for the previous kernel (its writes visible); in mode 2 let the next launch."""
     if PDL > 0:
         tl.extra.cuda.gdc_wait()
-    if PDL == 2:
+    if PDL > 1:
         tl.extra.cuda.gdc_launch_dependents()

@@ -43,7 +43,7 @@ TILE_VALUES = 4096
 NUM_WARPS = 4
 NUM_STAGES = 4
 FUSE_ROUTE = os.environ.get("DDBENCH_FUSE_ROUTE", "1") != "0"     # router top-k in the gate GEMM
-PRELOAD = 1        # weight tiles each program loads before the PDL wait (read at each launch; 0: none)
+PRELOAD = True     # each program loads its first weight tile before the PDL wait (read at each launch)
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def _skinny_kernel(
     ROPE: tl.constexpr, HEAD: tl.constexpr, ROPE_OFF: tl.constexpr,
     ROUTE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr,
     PDL: tl.constexpr,                    # launched as a dependent of the previous kernel (kernels.pdl)
-    PRELOAD: tl.constexpr, PRE_K: tl.constexpr,   # the first PRE_K columns of weights loaded before the PDL wait
+    PRELOAD: tl.constexpr,                # the first weight tile is loaded before the PDL wait
 ):
     """Program (column block, batch): y[b, :, n] = x[b] W[b, n]^T (+ add) for BN columns, then
     the epilogues in the order GLU, ROPE, add; then the side job ROUTE in the last program to
@@ -77,44 +77,33 @@ def _skinny_kernel(
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
-    kp = tl.arange(0, PRE_K)                                                              # the first columns
     n_ok, m_ok = n < N, m < M
     w_rows = w_ptr + b * stride_wb + n.to(tl.int64)[:, None] * stride_wn                 # [BN, 1]
     x_rows = x_ptr + b * stride_xb + m[:, None] * stride_xm                             # [BM, 1]
-    if PRELOAD:  # the first PRE_K columns' weights (static: no earlier kernel writes them) before
-        # the PDL wait, so that their DRAM round trip overlaps the previous kernels
-        w0, u0 = _w_tile(w_rows, kp, n_ok, K, stride_wk, N * stride_wn, GLU)
+    if PRELOAD:  # the first K tile's weights (static: no earlier kernel writes them) before
+        # the PDL wait, so that their DRAM round trip overlaps the previous kernel's tail
+        w0, u0 = _w_tile(w_rows, kk, n_ok, K, stride_wk, N * stride_wn, GLU)
         pdl.enter(PDL)
     else:
         pdl.enter(PDL)
-        w0, u0 = _w_tile(w_rows, kp, n_ok, K, stride_wk, N * stride_wn, GLU)
-    # per-K products, summed over K after the loop (`_k_sum`): [BN, BK] for one x row, else
-    # [BM, BN, BK]; the first PRE_K columns on accumulators of their own width
-    pre, pre_up, pre_ss = _x_tile(*_zeros(BM, BN, PRE_K, GLU, NORM), w0, u0, x_rows, kp, m, m_ok, K, x_ptr, res_ptr,
-                                  stride_rm, nw_ptr, BM, NORM, HAS_RES, GLU)
-    if PRE_K == BK:
-        prod, prod_up, ss = pre, pre_up, pre_ss
-    else:
-        prod, prod_up, ss = _zeros(BM, BN, BK, GLU, NORM)
-    for k0 in tl.range(PRE_K, K, BK, num_stages=NUM_STAGES):
+        w0, u0 = _w_tile(w_rows, kk, n_ok, K, stride_wk, N * stride_wn, GLU)
+    # per-K products, summed over K after the loop (`_k_sum`): [BN, BK] for one x row, else [BM, BN, BK]
+    prod = tl.zeros([BN, BK] if BM == 1 else [BM, BN, BK], tl.float32)
+    prod_up = tl.zeros([BN if GLU else 1, BK] if BM == 1 else [BM, BN if GLU else 1, BK], tl.float32)
+    ss = tl.zeros([BM, BK if NORM else 1], tl.float32)                                 # sums of h^2
+    prod, prod_up, ss = _x_tile(prod, prod_up, ss, w0, u0, x_rows, kk, m, m_ok, K, x_ptr, res_ptr, stride_rm, nw_ptr,
+                                BM, NORM, HAS_RES, GLU)
+    for k0 in tl.range(BK, K, BK, num_stages=NUM_STAGES):
         w, u = _w_tile(w_rows, k0 + kk, n_ok, K, stride_wk, N * stride_wn, GLU)
         prod, prod_up, ss = _x_tile(prod, prod_up, ss, w, u, x_rows, k0 + kk, m, m_ok, K, x_ptr, res_ptr, stride_rm,
                                     nw_ptr, BM, NORM, HAS_RES, GLU)
-    if PRE_K != BK:
-        prod_sum, up_sum, ss_sum = _k_sum(prod, BM, BN) + _k_sum(pre, BM, BN), 0.0, tl.sum(ss, 1) + tl.sum(pre_ss, 1)
-        if GLU:
-            up_sum = _k_sum(prod_up, BM, BN) + _k_sum(pre_up, BM, BN)
-    else:
-        prod_sum, up_sum, ss_sum = _k_sum(prod, BM, BN), 0.0, tl.sum(ss, 1)
-        if GLU:
-            up_sum = _k_sum(prod_up, BM, BN)
-    acc = prod_sum                                                                        # [BM, BN]
+    acc = _k_sum(prod, BM, BN)                                                            # [BM, BN]
     rstd = tl.full([BM], 1.0, tl.float32)
     if NORM:
-        rstd = 1.0 / tl.sqrt(ss_sum / K + eps)                                            # [BM]
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)                                    # [BM]
         acc = acc * rstd[:, None]
     if GLU:
-        up = up_sum * rstd[:, None]
+        up = _k_sum(prod_up, BM, BN) * rstd[:, None]
         acc = acc / (1.0 + tl.exp(-acc)) * up
     if ROPE:
         acc = _rope_cols(acc, n, m, m_ok, cos_ptr, sin_ptr, stride_cs, HEAD, ROPE_OFF, BM, BN)
@@ -144,14 +133,6 @@ def _skinny_kernel(
             for row in range(0, M):
                 route_row(y_ptr + row * stride_ym, bias_ptr, ids_ptr + row * TOP_K, rw_ptr + row * TOP_K, N,
                           scaling, TOP_K, BLOCK_E, BLOCK_TK)
-
-
-@triton.jit
-def _zeros(BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr):
-    """Empty accumulators of `_x_tile` for tiles W columns wide: prod, prod_up, ss."""
-    prod = tl.zeros([BN, W] if BM == 1 else [BM, BN, W], tl.float32)
-    prod_up = tl.zeros([BN if GLU else 1, W] if BM == 1 else [BM, BN if GLU else 1, W], tl.float32)
-    return prod, prod_up, tl.zeros([BM, W if NORM else 1], tl.float32)                  # ss: sums of h^2
 
 
 @triton.jit
@@ -398,5 +379,5 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
         ROPE=rope is not None, HEAD=rope[2] if rope else 1, ROPE_OFF=rope[3] if rope else 0,
         ROUTE=route is not None, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(n) if route else 1,
         BLOCK_TK=triton.next_power_of_2(top_k),
-        PRELOAD=PRELOAD > 0, PRE_K=bk * max(1, PRELOAD), num_warps=num_warps, **pdl.args(pdl.on(x)))
+        PRELOAD=PRELOAD, num_warps=num_warps, **pdl.args(pdl.on(x)))
     return out

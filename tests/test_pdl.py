@@ -12,7 +12,6 @@ from kernels.moe import fused_moe, random_marlin_moe
 def test_pdl_is_off_for_cpu_tensors():
     assert pdl.on(torch.randn(1, 64)) == 0
     assert pdl.args(0) == {"PDL": 0} and pdl.args(2) == {"PDL": 2, "launch_pdl": True}
-    assert pdl.args(3) == {"PDL": 3, "launch_pdl": True}
 
 
 def _chain(x, res, p, cfg):
@@ -28,8 +27,7 @@ def _chain(x, res, p, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("early", [False, True])
-def test_gpu_pdl_chain_equals_plain_launches(monkeypatch, early):
+def test_gpu_pdl_chain_equals_plain_launches(monkeypatch):
     if not pdl.on(torch.empty(1, device="cuda")):
         pytest.skip("needs sm_90+")
     cfg = preset("k2.6", tp=8)
@@ -52,7 +50,6 @@ def test_gpu_pdl_chain_equals_plain_launches(monkeypatch, early):
     monkeypatch.setattr(pdl, "ENABLED", False)
     want = layers(x, res)
     monkeypatch.setattr(pdl, "ENABLED", True)
-    monkeypatch.setattr(pdl, "EARLY", early)
     for trigger in (True, False):
         monkeypatch.setattr(pdl, "TRIGGER", trigger)
         got = layers(x, res)

@@ -20,23 +20,6 @@ def test_skinny_matches_torch(m, n, k, add):
     assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-3)
 
 
-@pytest.mark.parametrize("preload", [0, 2, 4])
-@pytest.mark.parametrize("m,glu", [(1, True), (3, False)])
-def test_preloaded_tiles_match_torch(monkeypatch, preload, m, glu):
-    """PRELOAD tiles loaded before the PDL wait (summed on their own accumulators) or none:
-    the norm prologue and GLU epilogue agree with the unfused maths, K not a multiple of them."""
-    from kernels.skinny import norm_linear, norm_linear_ref
-
-    monkeypatch.setattr(skinny, "PRELOAD", preload)
-    g = torch.Generator().manual_seed(preload * 10 + m)
-    k, n = 1000, 24
-    x, r, nw = (torch.randn(*s, generator=g).to(DEV) for s in ((m, k), (m, k), (k,)))
-    w = (torch.randn(n * (2 if glu else 1), k, generator=g) * k ** -0.5).to(DEV)
-    y, h, _, _ = norm_linear(x, nw, 1e-5, w, r, glu=glu, tile=(4 if m > 1 else 1, 8, 64))
-    y0, h0, _ = norm_linear_ref(x, nw, 1e-5, w, r, glu=glu)
-    assert torch.allclose(y, y0, atol=1e-4, rtol=1e-4) and torch.equal(h, h0)
-
-
 def test_skinny_keeps_leading_dims_and_picks_tiles():
     x = torch.randn(1, 2, 64).to(DEV, torch.float16)
     w = torch.randn(48, 64).to(DEV, torch.float16)

@@ -32,7 +32,7 @@ OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "fused moe act": [("kernels.moe_gemv", "FUSE_ACT", False)],
     "shared expert stream": [("engine.model", "SIDE_STREAM", False)],
     "attention chunks 32 capped": [("kernels.mla_attn", "MIN_CHUNK", 64), ("kernels.mla_attn", "MAX_CHUNKS", 0)],
-    "skinny preload": [("kernels.skinny", "PRELOAD", 0)],
+    "skinny preload": [("kernels.skinny", "PRELOAD", False)],
     "attention merge + value projection": [("kernels.mla_attn", "FUSE_PROJ", False)],
 }
 _gemv = importlib.import_module("kernels.moe_triton").TILE_TABLE
@@ -48,14 +48,6 @@ def _gemv_row0(**change) -> list:
 # the trials in results/h200/decode/decode_trials_*.csv chose; those CSVs name the trials of
 # their day, some of which were the later defaults).
 TRIALS = {  # trial -> [(module, attribute, value), ..]
-    "pdl early trigger": [("kernels.pdl", "EARLY", True)],
-    "skinny preload 2 tiles": [("kernels.skinny", "PRELOAD", 2)],
-    "skinny preload 4 tiles": [("kernels.skinny", "PRELOAD", 4)],
-    "pdl early + skinny preload 2": [("kernels.pdl", "EARLY", True), ("kernels.skinny", "PRELOAD", 2)],
-    "pdl early + skinny preload 4": [("kernels.pdl", "EARLY", True), ("kernels.skinny", "PRELOAD", 4)],
-    "pdl early + skinny preload 8": [("kernels.pdl", "EARLY", True), ("kernels.skinny", "PRELOAD", 8)],
-    "pdl early + skinny preload 4 + skinny wo": [("kernels.pdl", "EARLY", True), ("kernels.skinny", "PRELOAD", 4),
-                                                 ("kernels.skinny", "MAX_N_OVER_K", 8)],
     "skinny 1 program/SM": [("kernels.skinny", "PROGRAMS_PER_SM", 1)],
     "skinny 3 programs/SM": [("kernels.skinny", "PROGRAMS_PER_SM", 3)],
     "skinny 4 programs/SM": [("kernels.skinny", "PROGRAMS_PER_SM", 4)],
