@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import pdl, ticket
+from kernels import gemv, pdl, ticket
 from kernels.fused_ops import route_row
 from kernels.moe_triton import sm_count
 
@@ -44,6 +44,9 @@ NUM_WARPS = 4
 NUM_STAGES = 4
 FUSE_ROUTE = os.environ.get("DDBENCH_FUSE_ROUTE", "1") != "0"     # router top-k in the gate GEMM
 PRELOAD = True     # each program loads its first weight tile before the PDL wait (read at each launch)
+# one bf16 row under PDL: `linear`, `skinny_linear` (not GLU) and `norm_linear` (no GLU, extra
+# outputs or route) run kernels.gemv (CUDA; weights loaded before the PDL wait); read at each call
+CUDA_GEMV = os.environ.get("DDBENCH_CUDA_GEMV", "0") != "0"
 
 
 @triton.jit
@@ -225,7 +228,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
            reuse_add: bool = False) -> torch.Tensor:
     """x `[.., K]` @ w `[N, K]`^T (+ add `[.., N]`) -> `[.., N]` in x's dtype: the Triton
     kernel where `fits`, cuBLAS else. reuse_add: a contiguous `add` may be overwritten with
-    the result (cuBLAS then accumulates into it in place instead of first copying it)."""
+    the result (cuBLAS then accumulates into it in place instead of first copying it). With
+    CUDA_GEMV one bf16 row under PDL goes to kernels.gemv (weights loaded before the wait)."""
+    if CUDA_GEMV and add is None and pdl.on(x) and gemv.fits(x, w):
+        return gemv.gemv(w, x.contiguous(), pdl=True).view(*x.shape[:-1], w.shape[0])
     if not fits(x, w):
         if add is None:
             return F.linear(x, w)
@@ -260,6 +266,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = N
     add_rows: add has that many rows per row of x (any dtype), their sum is added (e.g. the
     k weighted expert rows of a token, fp32, summed into the shared expert's down GEMM)."""
     k, n = x.shape[-1], w.shape[0] // (2 if glu else 1)
+    if (CUDA_GEMV and not glu and pdl.on(x) and gemv.fits(x, w) and (add is None or add.dtype == torch.float32)
+            and (rope is None or rope[0].dtype == torch.float32)):
+        rope = rope and (rope[0].reshape(-1), rope[1].reshape(-1), *rope[2:])
+        return gemv.gemv(w, x.contiguous(), pdl=True, add=add, rope=rope).view(*x.shape[:-1], n)
     x2 = x.reshape(-1, k)
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     skinny_bmm(x2[None], w[None], y[None], None if add is None else add.reshape(1, -1, n), tile, num_warps,
@@ -288,6 +298,11 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tens
     if out_xh and k % 32:
         raise ValueError(f"norm_linear: the MoE GEMV's fp16 copy needs K % 32 == 0, got K = {k}")
     x2, r2 = (None if t is None else _unit_last(t.reshape(-1, k)) for t in (x, residual))   # [rows, K]
+    lead = x.shape[:-1]
+    if CUDA_GEMV and not (glu or out_xn or out_xh or route) and pdl.on(x) and gemv.fits(x2, w):
+        h = None if r2 is None else torch.empty_like(x2)
+        y = gemv.gemv(w, x2, pdl=True, norm=(norm_w, eps, r2, h))
+        return y.view(*lead, n), None if h is None else h.view(*lead, k), None, None
     rows = x2.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     h = torch.empty(rows, k, dtype=x.dtype, device=x.device) if r2 is not None else None
@@ -301,7 +316,6 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tens
         route = (bias, *topk, scaling)
     skinny_bmm(x2[None], w[None], y[None], tile=tile, num_warps=num_warps, num_stages=num_stages, glu=glu,
                norm=(norm_w, eps, r2, h, xn, xh), route=route)
-    lead = x.shape[:-1]
     out = (y.view(*lead, n), None if h is None else h.view(*lead, k), None if xn is None else xn.view(*lead, k), xh)
     return out if topk is None else out + topk
 

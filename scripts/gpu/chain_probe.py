@@ -5,7 +5,8 @@ products of a rank-0 shard, each reading the one before (wqkv_a 2112x7168 -> wq_
 -> wo 7168x1024 -> router 384x7168 and shared w13 512x7168 (both from wo's output) -> shared
 w2 7168x256 -> the next layer's wqkv_a), 66 MB of bf16 weights a layer, LAYERS layers (default
 4: 264 MB, more than L2, so every replay reads DRAM). Variants, each a CUDA graph replayed back
-to back: `skinny` the engine's kernels (kernels.skinny, cuBLAS where N > K; PDL), then
+to back: `skinny` the engine's kernels (kernels.skinny, cuBLAS where N > K; PDL), `cuda` /
+`cuda-nopdl` kernels.gemv (CUDA: up to ~100 KB of weights a program loaded before the PDL wait), then
 kernels.chain's kernel as `launch` (one launch a phase, PDL), `preload` (the same, first chunk
 loaded before the PDL wait), `barrier` (one persistent launch, grid barriers), `prefetch`
 (barriers, the next phase's first chunk loaded while waiting), each with 1 and 2 programs an
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
-from kernels import chain  # noqa: E402
+from kernels import chain, gemv  # noqa: E402
 from kernels.moe_triton import sm_count  # noqa: E402
 from kernels.skinny import linear  # noqa: E402
 
@@ -54,6 +55,19 @@ def skinny_chain(c: chain.Chain):
     return fn
 
 
+def cuda_chain(c: chain.Chain, pdl: bool):
+    """The same chain through kernels.gemv (CUDA: weights loaded before the PDL wait)."""
+    x_in = c.input()[None].contiguous()
+    ws = [c.weight(p) for p in range(len(c.shapes))]
+
+    def fn():
+        outs = []
+        for (n, k, src), w in zip(c.shapes, ws):
+            outs.append(gemv.gemv(w, (x_in if src < 0 else outs[src])[:, :k], pdl=pdl))
+        return outs[-1][0]
+    return fn
+
+
 rows = []
 weight_bytes = sum(n * k * 2 for n, k, _ in shapes)
 floor_us = weight_bytes / (copy * 1e3)
@@ -78,19 +92,21 @@ def record(mode: str, bk, pps, fn, per: int, err: float | None = None) -> None:
 for bk, pps in [(bk, pps) for bk in bks for pps in per_sm]:
     c = chain.build(shapes, dev, pps * sm_count(dev), bk=bk)
     ref = chain.reference(c)
-    for mode in ("skinny",) + chain.MODES:
-        if mode == "skinny" and (bk, pps) != (bks[0], per_sm[0]):
+    for mode in ("skinny", "cuda", "cuda-nopdl") + chain.MODES:
+        if mode in ("skinny", "cuda", "cuda-nopdl") and (bk, pps) != (bks[0], per_sm[0]):
             continue
-        fn = skinny_chain(c) if mode == "skinny" else (lambda m=mode: chain.run(c, m))
+        fn = (skinny_chain(c) if mode == "skinny" else cuda_chain(c, mode == "cuda") if mode.startswith("cuda")
+              else (lambda m=mode: chain.run(c, m)))
         err = ((fn().float() - ref).norm() / ref.norm()).item()
         if err > 2e-2:
             print(f"WRONG: {mode} bk {bk} relative error {err:.1e}", flush=True)
         record(mode, "" if mode == "skinny" else bk, "" if mode == "skinny" else pps, fn, layers, err)
 # the cost of a dependency alone: 48 phases of 256 x 256 (128 KB of weights each, L2-resident)
 tiny = chain.build([(256, 256, p - 1) for p in range(48)], dev, sm_count(dev), bk=256)
-for mode in ("skinny",) + chain.MODES:
+for mode in ("skinny", "cuda", "cuda-nopdl") + chain.MODES:
     record(f"{mode} (256x256 phases)", 256, 1,
-           skinny_chain(tiny) if mode == "skinny" else (lambda m=mode: chain.run(tiny, m)), 48)
+           skinny_chain(tiny) if mode == "skinny" else cuda_chain(tiny, mode == "cuda") if mode.startswith("cuda")
+           else (lambda m=mode: chain.run(tiny, m)), 48)
 with open(out / "chain_probe.csv", "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))
     w.writeheader()

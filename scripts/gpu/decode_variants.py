@@ -59,6 +59,7 @@ TRIALS = {  # trial -> [(module, attribute, value), ..]
     "skinny 6 stages": [("kernels.skinny", "NUM_STAGES", 6)],
     "skinny 8 warps": [("kernels.skinny", "NUM_WARPS", 8)],
     "skinny for wo (N = 7K)": [("kernels.skinny", "MAX_N_OVER_K", 8)],
+    "cuda gemv": [("kernels.skinny", "CUDA_GEMV", True)],
     "skinny up to 16 rows": [("kernels.skinny", "MAX_ROWS", 16)],
     "gemv 4 stages": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_stages=4))],
     "gemv 6 stages": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_stages=6))],

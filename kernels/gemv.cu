@@ -1,0 +1,189 @@
+// y = W x for one row x (bf16 W): a decode-step GEMV that loads its weights into shared
+// memory *before* the programmatic-dependent-launch wait (kernels/gemv.py).
+//
+// W [n, k] row-major is cut into row blocks of R rows, each into `splits` tiles of KC columns.
+// Program b owns a run of whole row blocks (so it finishes its rows itself: no partial sums
+// leave it) and streams their tiles through a ring of STAGES tiles in shared memory with
+// cp.async. The first STAGES tiles are issued before griddepcontrol.wait: the weights depend
+// on nothing, so they arrive while the kernel before (whose output is x) still runs.
+//
+// Compile-time switches:
+//   RPW rows a warp (R = 8 RPW), KC columns a tile (a multiple of 256), STAGES ring slots;
+//   X_BF16 / Y_BF16: x / y bf16 (else fp32);
+//   NORM: RMSNorm prologue, x := h / rms(h) * nw with h = x + res rounded to x's dtype, h
+//     written to h_out (each program a slice); the 1/rms is applied to the finished dot product;
+//   ADD_ROWS > 0: y += the sum of add's ADD_ROWS fp32 rows [ADD_ROWS, n];
+//   ROPE_HEAD > 0: interleaved rope on the columns ROPE_OFF.. of each ROPE_HEAD-wide head
+//     (y[2i] = a c - b s, y[2i+1] = b c + a s, cos / sin fp32 [ROPE_HEAD - ROPE_OFF) / 2]);
+//     needs RPW even (a pair of rows in one warp).
+#define WARPS 8
+#define R (WARPS * RPW)          // rows of a tile
+#define VEC (KC / 8)             // 16-byte vectors (8 bf16) in a tile row
+#define PER_LANE (VEC / 32)      // vectors of a row each lane multiplies
+#define TILE_VEC (R * VEC)
+
+__device__ __forceinline__ float ld_f32(const float* p) {   // L2 only: written by another kernel
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+#if X_BF16
+typedef unsigned short x_t;
+__device__ __forceinline__ float ld_x(const x_t* p) {     // L2 only: x was written by another kernel
+    unsigned short v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return __uint_as_float((unsigned)v << 16);
+}
+#else
+typedef float x_t;
+__device__ __forceinline__ float ld_x(const x_t* p) { return ld_f32(p); }
+#endif
+__device__ __forceinline__ unsigned short to_bf16(float f) {   // round to nearest even (finite f)
+    const unsigned u = __float_as_uint(f);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float as_x(float f) {               // f rounded to x's dtype
+#if X_BF16
+    return __uint_as_float((unsigned)to_bf16(f) << 16);
+#else
+    return f;
+#endif
+}
+#if Y_BF16
+typedef unsigned short y_t;
+__device__ __forceinline__ y_t out(float f) { return to_bf16(f); }
+#else
+typedef float y_t;
+__device__ __forceinline__ y_t out(float f) { return f; }
+#endif
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 1)
+gemv(const uint4* __restrict__ w, const x_t* x, y_t* y, int n, int k, int pdl,
+     const x_t* res, const x_t* nw, x_t* h_out, float eps,     // NORM
+     const float* add,                                          // ADD_ROWS
+     const float* cos, const float* sin)                        // ROPE_HEAD
+{
+    extern __shared__ uint4 ring[];                               // STAGES tiles, then x (fp32 [k])
+    float* xs = reinterpret_cast<float*>(ring + STAGES * TILE_VEC);
+    const int splits = k / KC, kv = k / 8, blocks = (n + R - 1) / R;
+    const int rb0 = (int)((long)blockIdx.x * blocks / gridDim.x);                 // this program's row blocks
+    const int mine = ((int)((long)(blockIdx.x + 1) * blocks / gridDim.x) - rb0) * splits;   // its tiles
+
+    auto load = [&](int i) {                                      // tile i -> slot i % STAGES
+        if (i < mine) {
+            const int r0 = (rb0 + i / splits) * R, c0 = i % splits * VEC;
+            const unsigned dst = smem_addr(ring + i % STAGES * TILE_VEC);
+            for (int v = threadIdx.x; v < TILE_VEC; v += WARPS * 32) {
+                const int r = v / VEC, c = v % VEC;
+                if (r0 + r < n)
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                                 :: "r"(dst + v * 16), "l"(w + (long)(r0 + r) * kv + c0 + c));
+            }
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+    for (int i = 0; i < STAGES; i++) load(i);
+    if (pdl) {   // let the next kernel launch (it may preload too), then wait for the one before
+        asm volatile("griddepcontrol.launch_dependents;");
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float rstd = 1.f;
+#if NORM
+    __shared__ float red[WARPS];
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < k; j += WARPS * 32) {
+        const float h = as_x(ld_x(x + j) + (res ? ld_x(res + j) : 0.f));
+        ss += h * h;
+        xs[j] = h * ld_x(nw + j);
+        if (h_out && j / (WARPS * 32) % gridDim.x == blockIdx.x) {
+#if X_BF16
+            h_out[j] = to_bf16(h);
+#else
+            h_out[j] = h;
+#endif
+        }
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < WARPS; i++) ss += red[i];
+    rstd = rsqrtf(ss / k + eps);
+#else
+    for (int j = threadIdx.x; j < k; j += WARPS * 32) xs[j] = ld_x(x + j);
+#endif
+    float acc[RPW];
+#pragma unroll
+    for (int rr = 0; rr < RPW; rr++) acc[rr] = 0.f;
+    for (int i = 0; i < mine; i++) {
+        asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));
+        __syncthreads();
+        const int s = i % splits, r0 = (rb0 + i / splits) * R;
+        const uint4* tile = ring + i % STAGES * TILE_VEC;
+        float xr[PER_LANE][8];                                    // this lane's x values, every row of the tile
+#pragma unroll
+        for (int q = 0; q < PER_LANE; q++) {
+            const float4* xv = reinterpret_cast<const float4*>(xs + s * KC + (lane + 32 * q) * 8);
+            const float4 a = xv[0], b = xv[1];
+            xr[q][0] = a.x; xr[q][1] = a.y; xr[q][2] = a.z; xr[q][3] = a.w;
+            xr[q][4] = b.x; xr[q][5] = b.y; xr[q][6] = b.z; xr[q][7] = b.w;
+        }
+#pragma unroll
+        for (int rr = 0; rr < RPW; rr++) {
+#pragma unroll
+            for (int q = 0; q < PER_LANE; q++) {
+                const uint4 v = tile[(warp * RPW + rr) * VEC + lane + 32 * q];
+                acc[rr] += bf16_lo(v.x) * xr[q][0] + bf16_hi(v.x) * xr[q][1] + bf16_lo(v.y) * xr[q][2]
+                         + bf16_hi(v.y) * xr[q][3] + bf16_lo(v.z) * xr[q][4] + bf16_hi(v.z) * xr[q][5]
+                         + bf16_lo(v.w) * xr[q][6] + bf16_hi(v.w) * xr[q][7];
+            }
+        }
+        if (s == splits - 1) {                                    // the row block is done: finish its rows
+#pragma unroll
+            for (int rr = 0; rr < RPW; rr++) acc[rr] = warp_sum(acc[rr]) * rstd;
+#if ROPE_HEAD
+#pragma unroll
+            for (int rr = 0; rr < RPW; rr += 2) {
+                const int d = (r0 + warp * RPW + rr) % ROPE_HEAD - ROPE_OFF;
+                if (d >= 0) {
+                    const float c = ld_f32(cos + d / 2), sn = ld_f32(sin + d / 2), a = acc[rr], b = acc[rr + 1];
+                    acc[rr] = a * c - b * sn;
+                    acc[rr + 1] = b * c + a * sn;
+                }
+            }
+#endif
+            if (lane < RPW) {                                     // lane rr writes row rr of this warp
+                float v = 0.f;
+#pragma unroll
+                for (int rr = 0; rr < RPW; rr++) v = lane == rr ? acc[rr] : v;
+                const int row = r0 + warp * RPW + lane;
+                if (row < n) {
+#if ADD_ROWS
+#pragma unroll
+                    for (int j = 0; j < ADD_ROWS; j++) v += ld_f32(add + (long)j * n + row);
+#endif
+                    y[row] = out(v);
+                }
+            }
+#pragma unroll
+            for (int rr = 0; rr < RPW; rr++) acc[rr] = 0.f;
+        }
+        __syncthreads();                                          // slot i % STAGES is free again
+        load(i + STAGES);
+    }
+}
