@@ -8,7 +8,8 @@
 // on nothing, so they arrive while the kernel before (whose output is x) still runs.
 //
 // Compile-time switches:
-//   RPW rows a warp (R = 8 RPW), KC columns a tile (a multiple of 256), STAGES ring slots;
+//   WARPS warps a program, RPW rows a warp (R = WARPS RPW), KC columns a tile (a multiple of
+//   256), STAGES ring slots;
 //   X_BF16 / Y_BF16: x / y bf16 (else fp32);
 //   NORM: RMSNorm prologue, x := h / rms(h) * nw with h = x + res rounded to x's dtype, h
 //     written to h_out (each program a slice); the 1/rms is applied to the finished dot product;
@@ -16,7 +17,6 @@
 //   ROPE_HEAD > 0: interleaved rope on the columns ROPE_OFF.. of each ROPE_HEAD-wide head
 //     (y[2i] = a c - b s, y[2i+1] = b c + a s, cos / sin fp32 [ROPE_HEAD - ROPE_OFF) / 2]);
 //     needs RPW even (a pair of rows in one warp).
-#define WARPS 8
 #define R (WARPS * RPW)          // rows of a tile
 #define VEC (KC / 8)             // 16-byte vectors (8 bf16) in a tile row
 #define PER_LANE (VEC / 32)      // vectors of a row each lane multiplies

@@ -20,6 +20,8 @@ from kernels.moe_triton import sm_count
 
 SHARED_BUDGET = 110 * 1024   # bytes a program: two programs (two kernels) fit on an H200 SM (228 KB)
 MAX_STAGES = 8
+PROGRAMS_PER_SM = 1          # grid = at most this many programs an SM (read at each call, as SHARED_BUDGET)
+WARPS = 8                    # warps a program (read at each call)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -32,8 +34,8 @@ def config(n: int, k: int, rope: bool = False) -> dict[str, int]:
     kc = max(c for c in range(256, 1025, 256) if k % c == 0)
     rpw = max(1, 1024 // kc)
     rpw += rope and rpw % 2
-    stages = min(MAX_STAGES, (SHARED_BUDGET - 4 * k) // (8 * rpw * kc * 2))
-    return {"RPW": rpw, "KC": kc, "STAGES": stages}
+    stages = min(MAX_STAGES, (SHARED_BUDGET - 4 * k) // (WARPS * rpw * kc * 2))
+    return {"WARPS": WARPS, "RPW": rpw, "KC": kc, "STAGES": stages}
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -93,11 +95,11 @@ def gemv(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None = None,
         _row(cos, (head - off) // 2, "cos", torch.float32)
         _row(sin, (head - off) // 2, "sin", torch.float32)
         cfg |= {"ROPE_HEAD": head, "ROPE_OFF": off}
-    rows = 8 * cfg["RPW"]
+    rows = cfg["WARPS"] * cfg["RPW"]
     out = torch.empty(1, n, device=w.device, dtype=out_dtype)
     shared = cfg["STAGES"] * rows * cfg["KC"] * 2 + 4 * k
     _kernel(tuple(sorted(cfg.items())), w.device)(
-        min(-(-n // rows), sm_count(w.device)), 256, shared,
+        min(-(-n // rows), PROGRAMS_PER_SM * sm_count(w.device)), 32 * cfg["WARPS"], shared,
         [w, x, out, n, k, int(pdl), res, nw, h_out, float(eps), add, cos, sin], pdl=pdl)
     return out
 

@@ -13,7 +13,7 @@ def test_config_fits_two_programs_an_sm_and_tiles_divide_k():
         for rope in (False, True):
             c = gemv.config(n, k, rope)
             assert k % c["KC"] == 0 and c["KC"] % 256 == 0 and c["STAGES"] >= 2
-            assert c["STAGES"] * 8 * c["RPW"] * c["KC"] * 2 + 4 * k <= gemv.SHARED_BUDGET
+            assert c["STAGES"] * c["WARPS"] * c["RPW"] * c["KC"] * 2 + 4 * k <= gemv.SHARED_BUDGET
             assert not rope or c["RPW"] % 2 == 0
     with pytest.raises(ValueError, match="multiple of 256"):
         gemv.config(64, 100)
