@@ -1,26 +1,26 @@
 // y = W x for one row x (bf16 W): a decode-step GEMV that loads its weights into shared
 // memory *before* the programmatic-dependent-launch wait (kernels/gemv.py).
 //
-// W [n, k] row-major is cut into row blocks of R rows, each into `splits` tiles of KC columns.
+// W [n, k] row-major is cut into row blocks of ROWS rows, each into `splits` tiles of KC columns.
 // Program b owns a run of whole row blocks (so it finishes its rows itself: no partial sums
 // leave it) and streams their tiles through a ring of STAGES tiles in shared memory with
 // cp.async. The first STAGES tiles are issued before griddepcontrol.wait: the weights depend
 // on nothing, so they arrive while the kernel before (whose output is x) still runs.
 //
 // Compile-time switches:
-//   WARPS warps a program, RPW rows a warp (R = WARPS RPW), KC columns a tile (a multiple of
-//   256), STAGES ring slots;
+//   WARPS warps a program, ROWS rows and KC columns a tile (KC / 8 / WARPS divides 32), STAGES
+//   ring slots;
 //   X_BF16 / Y_BF16: x / y bf16 (else fp32);
 //   NORM: RMSNorm prologue, x := h / rms(h) * nw with h = x + res rounded to x's dtype, h
 //     written to h_out (each program a slice); the 1/rms is applied to the finished dot product;
 //   ADD_ROWS > 0: y += the sum of add's ADD_ROWS fp32 rows [ADD_ROWS, n];
 //   ROPE_HEAD > 0: interleaved rope on the columns ROPE_OFF.. of each ROPE_HEAD-wide head
-//     (y[2i] = a c - b s, y[2i+1] = b c + a s, cos / sin fp32 [ROPE_HEAD - ROPE_OFF) / 2]);
-//     needs RPW even (a pair of rows in one warp).
-#define R (WARPS * RPW)          // rows of a tile
+//     (y[2i] = a c - b s, y[2i+1] = b c + a s, cos / sin fp32 [ROPE_HEAD - ROPE_OFF) / 2]).
 #define VEC (KC / 8)             // 16-byte vectors (8 bf16) in a tile row
-#define PER_LANE (VEC / 32)      // vectors of a row each lane multiplies
-#define TILE_VEC (R * VEC)
+#define VW (VEC / WARPS)         // vectors of a row each warp multiplies = lanes a row (divides 32)
+#define RPL (32 / VW)            // rows a warp works on at once
+#define ACC (ROWS / RPL)         // rows (accumulators) a lane
+#define TILE_VEC (ROWS * VEC)
 
 __device__ __forceinline__ float ld_f32(const float* p) {   // L2 only: written by another kernel
     float v;
@@ -78,13 +78,13 @@ gemv(const uint4* __restrict__ w, const x_t* x, y_t* y, int n, int k, int pdl,
 {
     extern __shared__ uint4 ring[];                               // STAGES tiles, then x (fp32 [k])
     float* xs = reinterpret_cast<float*>(ring + STAGES * TILE_VEC);
-    const int splits = k / KC, kv = k / 8, blocks = (n + R - 1) / R;
+    const int splits = k / KC, kv = k / 8, blocks = (n + ROWS - 1) / ROWS;
     const int rb0 = (int)((long)blockIdx.x * blocks / gridDim.x);                 // this program's row blocks
     const int mine = ((int)((long)(blockIdx.x + 1) * blocks / gridDim.x) - rb0) * splits;   // its tiles
 
     auto load = [&](int i) {                                      // tile i -> slot i % STAGES
         if (i < mine) {
-            const int r0 = (rb0 + i / splits) * R, c0 = i % splits * VEC;
+            const int r0 = (rb0 + i / splits) * ROWS, c0 = i % splits * VEC;
             const unsigned dst = smem_addr(ring + i % STAGES * TILE_VEC);
             for (int v = threadIdx.x; v < TILE_VEC; v += WARPS * 32) {
                 const int r = v / VEC, c = v % VEC;
@@ -103,7 +103,7 @@ gemv(const uint4* __restrict__ w, const x_t* x, y_t* y, int n, int k, int pdl,
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float rstd = 1.f;
 #if NORM
-    __shared__ float red[WARPS];
+    __shared__ float nred[WARPS];
     float ss = 0.f;
     for (int j = threadIdx.x; j < k; j += WARPS * 32) {
         const float h = as_x(ld_x(x + j) + (res ? ld_x(res + j) : 0.f));
@@ -118,70 +118,67 @@ gemv(const uint4* __restrict__ w, const x_t* x, y_t* y, int n, int k, int pdl,
         }
     }
     ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
+    if (lane == 0) nred[warp] = ss;
     __syncthreads();
     ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < WARPS; i++) ss += red[i];
+    for (int i = 0; i < WARPS; i++) ss += nred[i];
     rstd = rsqrtf(ss / k + eps);
 #else
     for (int j = threadIdx.x; j < k; j += WARPS * 32) xs[j] = ld_x(x + j);
 #endif
-    float acc[RPW];
+    // warp w multiplies the vectors w VW .. w VW + VW - 1 of every tile row: lane group g = lane / VW
+    // takes rows g, g + RPL, ..; so each lane reads its 8 x values once a tile, for all its rows
+    const int g = lane / VW, vec = warp * VW + lane % VW;
+    __shared__ float red[WARPS][ROWS];                            // each warp's sums of a row block
+    float acc[ACC];
 #pragma unroll
-    for (int rr = 0; rr < RPW; rr++) acc[rr] = 0.f;
+    for (int j = 0; j < ACC; j++) acc[j] = 0.f;
     for (int i = 0; i < mine; i++) {
         asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));
         __syncthreads();
-        const int s = i % splits, r0 = (rb0 + i / splits) * R;
+        const int s = i % splits, r0 = (rb0 + i / splits) * ROWS;
         const uint4* tile = ring + i % STAGES * TILE_VEC;
-        float xr[PER_LANE][8];                                    // this lane's x values, every row of the tile
+        const float4* xv = reinterpret_cast<const float4*>(xs + s * KC + vec * 8);
+        const float4 xa = xv[0], xb = xv[1];
 #pragma unroll
-        for (int q = 0; q < PER_LANE; q++) {
-            const float4* xv = reinterpret_cast<const float4*>(xs + s * KC + (lane + 32 * q) * 8);
-            const float4 a = xv[0], b = xv[1];
-            xr[q][0] = a.x; xr[q][1] = a.y; xr[q][2] = a.z; xr[q][3] = a.w;
-            xr[q][4] = b.x; xr[q][5] = b.y; xr[q][6] = b.z; xr[q][7] = b.w;
-        }
-#pragma unroll
-        for (int rr = 0; rr < RPW; rr++) {
-#pragma unroll
-            for (int q = 0; q < PER_LANE; q++) {
-                const uint4 v = tile[(warp * RPW + rr) * VEC + lane + 32 * q];
-                acc[rr] += bf16_lo(v.x) * xr[q][0] + bf16_hi(v.x) * xr[q][1] + bf16_lo(v.y) * xr[q][2]
-                         + bf16_hi(v.y) * xr[q][3] + bf16_lo(v.z) * xr[q][4] + bf16_hi(v.z) * xr[q][5]
-                         + bf16_lo(v.w) * xr[q][6] + bf16_hi(v.w) * xr[q][7];
-            }
+        for (int j = 0; j < ACC; j++) {
+            const uint4 v = tile[(g + RPL * j) * VEC + vec];
+            acc[j] += bf16_lo(v.x) * xa.x + bf16_hi(v.x) * xa.y + bf16_lo(v.y) * xa.z + bf16_hi(v.y) * xa.w
+                    + bf16_lo(v.z) * xb.x + bf16_hi(v.z) * xb.y + bf16_lo(v.w) * xb.z + bf16_hi(v.w) * xb.w;
         }
         if (s == splits - 1) {                                    // the row block is done: finish its rows
 #pragma unroll
-            for (int rr = 0; rr < RPW; rr++) acc[rr] = warp_sum(acc[rr]) * rstd;
-#if ROPE_HEAD
+            for (int j = 0; j < ACC; j++) {
 #pragma unroll
-            for (int rr = 0; rr < RPW; rr += 2) {
-                const int d = (r0 + warp * RPW + rr) % ROPE_HEAD - ROPE_OFF;
-                if (d >= 0) {
-                    const float c = ld_f32(cos + d / 2), sn = ld_f32(sin + d / 2), a = acc[rr], b = acc[rr + 1];
-                    acc[rr] = a * c - b * sn;
-                    acc[rr + 1] = b * c + a * sn;
-                }
+                for (int o = VW / 2; o > 0; o /= 2) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+                if (lane % VW == 0) red[warp][g + RPL * j] = acc[j];
+                acc[j] = 0.f;
             }
-#endif
-            if (lane < RPW) {                                     // lane rr writes row rr of this warp
+            __syncthreads();
+            const int r = threadIdx.x;
+            if (r < ROWS && r0 + r < n) {
                 float v = 0.f;
 #pragma unroll
-                for (int rr = 0; rr < RPW; rr++) v = lane == rr ? acc[rr] : v;
-                const int row = r0 + warp * RPW + lane;
-                if (row < n) {
+                for (int q = 0; q < WARPS; q++) v += red[q][r];
+                v *= rstd;
+#if ROPE_HEAD
+                const int d = (r0 + r) % ROPE_HEAD - ROPE_OFF;
+                if (d >= 0) {                                     // the pair (r & ~1, r | 1)
+                    float p = 0.f;
+#pragma unroll
+                    for (int q = 0; q < WARPS; q++) p += red[q][r ^ 1];
+                    p *= rstd;
+                    const float c = ld_f32(cos + d / 2), sn = ld_f32(sin + d / 2);
+                    v = r % 2 ? v * c + p * sn : v * c - p * sn;
+                }
+#endif
 #if ADD_ROWS
 #pragma unroll
-                    for (int j = 0; j < ADD_ROWS; j++) v += ld_f32(add + (long)j * n + row);
+                for (int j = 0; j < ADD_ROWS; j++) v += ld_f32(add + (long)j * n + r0 + r);
 #endif
-                    y[row] = out(v);
-                }
+                y[r0 + r] = out(v);
             }
-#pragma unroll
-            for (int rr = 0; rr < RPW; rr++) acc[rr] = 0.f;
         }
         __syncthreads();                                          // slot i % STAGES is free again
         load(i + STAGES);

@@ -25,17 +25,16 @@ WARPS = 8                    # warps a program (read at each call)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def config(n: int, k: int, rope: bool = False) -> dict[str, int]:
-    """Compile-time shape for W [n, k]: KC columns a tile (the largest multiple of 256 <= 1024
-    dividing k), rows a warp so a tile holds ~8K values (even with rope: a rope pair in one
-    warp), and as many ring slots as the shared budget leaves beside x."""
+def config(n: int, k: int) -> dict[str, int]:
+    """Compile-time shape for W [n, k]: KC columns a tile (the largest of 1024, 512, 256
+    dividing k, so a warp's share of a row, KC / 8 / WARPS vectors, divides 32 lanes), ROWS so
+    a tile holds 8K values, and as many ring slots as the shared budget leaves beside x."""
     if k % 256:
         raise ValueError(f"gemv needs k a multiple of 256, got {k}")
-    kc = max(c for c in range(256, 1025, 256) if k % c == 0)
-    rpw = max(1, 1024 // kc)
-    rpw += rope and rpw % 2
-    stages = min(MAX_STAGES, (SHARED_BUDGET - 4 * k) // (WARPS * rpw * kc * 2))
-    return {"WARPS": WARPS, "RPW": rpw, "KC": kc, "STAGES": stages}
+    kc = next(c for c in (1024, 512, 256) if k % c == 0)
+    rows = 8192 // kc
+    stages = min(MAX_STAGES, (SHARED_BUDGET - 4 * k) // (rows * kc * 2))
+    return {"WARPS": WARPS, "ROWS": rows, "KC": kc, "STAGES": stages}
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -74,7 +73,7 @@ def gemv(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None = None,
     out_dtype = out_dtype or x.dtype
     if out_dtype not in DTYPES:
         raise ValueError(f"gemv writes fp32 or bf16, not {out_dtype}")
-    cfg = config(n, k, rope is not None)
+    cfg = config(n, k)
     cfg |= {"X_BF16": int(x.dtype == torch.bfloat16), "Y_BF16": int(out_dtype == torch.bfloat16),
             "NORM": int(norm is not None), "ADD_ROWS": 0, "ROPE_HEAD": 0, "ROPE_OFF": 0}
     nw = res = h_out = cos = sin = None
@@ -95,7 +94,7 @@ def gemv(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None = None,
         _row(cos, (head - off) // 2, "cos", torch.float32)
         _row(sin, (head - off) // 2, "sin", torch.float32)
         cfg |= {"ROPE_HEAD": head, "ROPE_OFF": off}
-    rows = cfg["WARPS"] * cfg["RPW"]
+    rows = cfg["ROWS"]
     out = torch.empty(1, n, device=w.device, dtype=out_dtype)
     shared = cfg["STAGES"] * rows * cfg["KC"] * 2 + 4 * k
     _kernel(tuple(sorted(cfg.items())), w.device)(
