@@ -21,26 +21,45 @@
 #define RPL (32 / VW)            // rows a warp works on at once
 #define ACC (ROWS / RPL)         // rows (accumulators) a lane
 #define TILE_VEC (ROWS * VEC)
+#define BATCH (NORM ? 2 : 4)     // 16-byte loads of x (and res, nw) a thread has in flight
 
 __device__ __forceinline__ float ld_f32(const float* p) {   // L2 only: written by another kernel
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
+__device__ __forceinline__ uint4 ld_v4(const void* p) {     // 16 bytes, L2 only
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
 #if X_BF16
 typedef unsigned short x_t;
-__device__ __forceinline__ float ld_x(const x_t* p) {     // L2 only: x was written by another kernel
-    unsigned short v;
-    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
-    return __uint_as_float((unsigned)v << 16);
+__device__ __forceinline__ void ld_x8(const x_t* p, float* f) {   // x[0..8) as fp32 (16-byte aligned)
+    const uint4 v = ld_v4(p);
+    const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; e++) { f[2 * e] = __uint_as_float(u[e] << 16); f[2 * e + 1] = __uint_as_float(u[e] & 0xffff0000u); }
 }
 #else
 typedef float x_t;
-__device__ __forceinline__ float ld_x(const x_t* p) { return ld_f32(p); }
+__device__ __forceinline__ void ld_x8(const x_t* p, float* f) {
+    const uint4 a = ld_v4(p), b = ld_v4(p + 4);
+    f[0] = __uint_as_float(a.x); f[1] = __uint_as_float(a.y); f[2] = __uint_as_float(a.z); f[3] = __uint_as_float(a.w);
+    f[4] = __uint_as_float(b.x); f[5] = __uint_as_float(b.y); f[6] = __uint_as_float(b.z); f[7] = __uint_as_float(b.w);
+}
 #endif
 __device__ __forceinline__ unsigned short to_bf16(float f) {   // round to nearest even (finite f)
     const unsigned u = __float_as_uint(f);
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ x_t to_x(float f) {                 // f in x's dtype
+#if X_BF16
+    return to_bf16(f);
+#else
+    return f;
+#endif
 }
 __device__ __forceinline__ float as_x(float f) {               // f rounded to x's dtype
 #if X_BF16
@@ -101,22 +120,48 @@ gemv(const uint4* __restrict__ w, const x_t* x, y_t* y, int n, int k, int pdl,
         asm volatile("griddepcontrol.wait;" ::: "memory");
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // x (and with NORM res, nw) into shared memory as fp32: 8 values a load, BATCH loads in
+    // flight a thread (one L2 round trip for the whole row, not one a value)
     float rstd = 1.f;
 #if NORM
-    __shared__ float nred[WARPS];
     float ss = 0.f;
-    for (int j = threadIdx.x; j < k; j += WARPS * 32) {
-        const float h = as_x(ld_x(x + j) + (res ? ld_x(res + j) : 0.f));
-        ss += h * h;
-        xs[j] = h * ld_x(nw + j);
-        if (h_out && j / (WARPS * 32) % gridDim.x == blockIdx.x) {
-#if X_BF16
-            h_out[j] = to_bf16(h);
-#else
-            h_out[j] = h;
 #endif
+    for (int base = threadIdx.x * 8; base < k; base += BATCH * WARPS * 32 * 8) {
+        float f[BATCH][8];
+#if NORM
+        float r[BATCH][8], wn[BATCH][8];
+#endif
+#pragma unroll
+        for (int b = 0; b < BATCH; b++) {
+            const int j = base + b * WARPS * 32 * 8;
+            if (j < k) {
+                ld_x8(x + j, f[b]);
+#if NORM
+                if (res) ld_x8(res + j, r[b]);
+                ld_x8(nw + j, wn[b]);
+#endif
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < BATCH; b++) {
+            const int j = base + b * WARPS * 32 * 8;
+            if (j < k) {
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+#if NORM
+                    const float h = res ? as_x(f[b][e] + r[b][e]) : f[b][e];
+                    ss += h * h;
+                    xs[j + e] = h * wn[b][e];
+                    if (h_out && j / (WARPS * 32 * 8) % gridDim.x == blockIdx.x) h_out[j + e] = to_x(h);
+#else
+                    xs[j + e] = f[b][e];
+#endif
+                }
+            }
         }
     }
+#if NORM
+    __shared__ float nred[WARPS];
     ss = warp_sum(ss);
     if (lane == 0) nred[warp] = ss;
     __syncthreads();
@@ -124,8 +169,6 @@ gemv(const uint4* __restrict__ w, const x_t* x, y_t* y, int n, int k, int pdl,
 #pragma unroll
     for (int i = 0; i < WARPS; i++) ss += nred[i];
     rstd = rsqrtf(ss / k + eps);
-#else
-    for (int j = threadIdx.x; j < k; j += WARPS * 32) xs[j] = ld_x(x + j);
 #endif
     // warp w multiplies the vectors w VW .. w VW + VW - 1 of every tile row: lane group g = lane / VW
     // takes rows g, g + RPL, ..; so each lane reads its 8 x values once a tile, for all its rows

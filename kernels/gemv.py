@@ -34,14 +34,17 @@ def config(n: int, k: int) -> dict[str, int]:
     kc = next(c for c in (1024, 512, 256) if k % c == 0)
     rows = 8192 // kc
     stages = min(MAX_STAGES, (SHARED_BUDGET - 4 * k) // (rows * kc * 2))
+    if stages < 2:
+        raise ValueError(f"gemv: a shared budget of {SHARED_BUDGET} bytes holds x [{k}] and {stages} tiles, not 2")
     return {"WARPS": WARPS, "ROWS": rows, "KC": kc, "STAGES": stages}
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """One bf16 row x, contiguous bf16 w with k a multiple of 256: what `gemv` takes."""
+    """One bf16 row x (16-byte aligned), contiguous bf16 w with k a multiple of 256: what
+    `gemv` takes."""
     k = w.shape[-1]
     return (x.dtype == w.dtype == torch.bfloat16 and x.numel() == x.shape[-1] == k and w.dim() == 2
-            and w.is_contiguous() and k % 256 == 0)
+            and w.is_contiguous() and k % 256 == 0 and x.data_ptr() % 16 == 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,9 +53,10 @@ def _kernel(defines: tuple, device: torch.device) -> Kernel:
 
 
 def _row(t: torch.Tensor, n: int, what: str, dtype=None) -> torch.Tensor:
-    if t.numel() != n or not t.is_contiguous() or (dtype is not None and t.dtype != dtype):
-        raise ValueError(f"gemv: {what} must be {n} contiguous values{f' of {dtype}' if dtype else ''}, "
-                         f"got {tuple(t.shape)} {t.dtype}")
+    if (t.numel() != n or not t.is_contiguous() or t.data_ptr() % 16 or
+            (dtype is not None and t.dtype != dtype)):
+        raise ValueError(f"gemv: {what} must be {n} contiguous 16-byte-aligned values"
+                         f"{f' of {dtype}' if dtype else ''}, got {tuple(t.shape)} {t.dtype}")
     return t
 
 
@@ -68,8 +72,9 @@ def gemv(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None = None,
     n, k = w.shape
     if not (w.is_cuda and w.dtype == torch.bfloat16 and w.is_contiguous()):
         raise ValueError("gemv needs a contiguous bf16 CUDA weight")
-    if x.dtype not in DTYPES or x.numel() != k or not x.is_contiguous():
-        raise ValueError(f"gemv needs one contiguous fp32/bf16 row of {k}, got {tuple(x.shape)} {x.dtype}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"gemv needs an fp32/bf16 x, got {x.dtype}")
+    _row(x, k, "x")
     out_dtype = out_dtype or x.dtype
     if out_dtype not in DTYPES:
         raise ValueError(f"gemv writes fp32 or bf16, not {out_dtype}")

@@ -25,8 +25,7 @@ SHAPES = {"wqkv_a": (2112, 7168), "wq_b": (1536, 1536), "wo": (7168, 1024), "rou
           "shared_w13": (512, 7168), "shared_w2": (7168, 256)}
 VARIANTS = {  # label -> (PROGRAMS_PER_SM, SHARED_BUDGET, WARPS)
     "gemv": (1, 110 * 1024, 8), "gemv 2/SM 55K": (2, 55 * 1024, 8), "gemv 1/SM 200K": (1, 200 * 1024, 8),
-    "gemv 1/SM 32K": (1, 32 * 1024, 8), "gemv 4/SM 27K": (4, 27 * 1024, 8), "gemv 16 warps": (1, 110 * 1024, 16),
-    "gemv 4 warps 2/SM 55K": (2, 55 * 1024, 4)}
+    "gemv 1/SM 64K": (1, 64 * 1024, 8), "gemv 16 warps": (1, 110 * 1024, 16), "gemv 4 warps": (1, 110 * 1024, 4)}
 rows = []
 for name, (n, k) in SHAPES.items():
     ws = [torch.randn(n, k, device=dev).to(torch.bfloat16) * k ** -0.5 for _ in range(20)]
