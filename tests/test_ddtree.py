@@ -281,15 +281,20 @@ def test_gpu_step_in_cuda_graph():
 # --------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU tiny preset only runs without a GPU")
-def test_tree_bench_cli_cpu(tmp_path):
+def test_tree_bench_cli_cpu(tmp_path, monkeypatch):
     import json
 
     import pandas as pd
     from typer.testing import CliRunner
 
+    from ddbench import tree_bench
     from ddbench.cli import app
     from ddbench.tree_bench import COLUMNS, summary
 
+    # fewer points of the CPU sweep (one budget, one prefix, 1 timed rep: 45 s -> about 6 s on 2 CPU
+    # cores), still every kernel, 2 streams, decode and tree-verify attention against its reference
+    for key, value in dict(budgets=[8], prefixes=[32], reps=1).items():
+        monkeypatch.setitem(tree_bench.TINY, key, value)
     r = CliRunner().invoke(app, ["tree-bench", "--out", str(tmp_path), "--name", "tb"])
     assert r.exit_code == 0, r.output
     assert "tiny CPU preset" in r.output
@@ -298,6 +303,7 @@ def test_tree_bench_cli_cpu(tmp_path):
     assert set(df.kernel) == {"topk", "build", "accept", "accept_commit", "commit", "attn"}
     att = df[df.kernel == "attn"]
     assert (att.max_abs_err < 1e-4).all() and (att.kv_bytes > 0).all()
+    assert sorted(att.t.unique()) == [1, 9] and sorted(df.streams.unique()) == [1, 2]
     meta = json.loads((tmp_path / "tb.json").read_text())
     assert meta["kind"] == "tree_bench" and meta["cpu_tiny"] and meta["completed"]
     summary(tmp_path / "tb.csv")

@@ -122,9 +122,14 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     fp16 x and, with FUSE_ROUTE, routes) and in the dense w13, SiLU(gate) * up in the w13
     GEMMs, q's rope in wq_b, the sum over the k expert rows in the shared down GEMM give the
     logits and cache of the torch ops (mla_a_post stays one launch per layer). With
-    skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again."""
+    skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again.
+    `tiles` is sized for 8 SMs here, not 132: 8-16 columns a program instead of 1 (the
+    interpreter runs programs one by one: 65 s -> about 10 s on 2 CPU cores; the router's gate
+    GEMM keeps 1 column a program, 16 programs for its ticket); narrow tiles, incl. 1 and
+    2 columns, are covered by test_skinny."""
     from kernels import fused_ops, moe_gemv, skinny
 
+    monkeypatch.setattr(skinny, "sm_count", lambda device: 8)
     monkeypatch.setattr(skinny, "MAX_ROWS", max_rows)
     monkeypatch.setattr(skinny, "FUSE_ROUTE", fuse)
     monkeypatch.setattr(skinny, "fits", lambda x, w: 0 < x.numel() // x.shape[-1] <= skinny.MAX_ROWS

@@ -39,14 +39,19 @@ def test_cpu_default_runs_tiny_torch(tmp_path):
 
 
 def test_triton_backend_interpreter_with_check(tmp_path):
+    # tiny narrowed for the interpreter (30-40 s -> about 10 s on 2 CPU cores): hidden 128, 8 experts,
+    # top-2, so the same tokens a expert as tiny's 16 experts top-4 (the same three tile paths)
+    small = ["-o", "hidden=128", "-o", "n_experts=8", "-o", "top_k=2"]
     r = runner.invoke(app, ["moe-sweep", "--device", "cpu", "--backends", "triton", "--tokens", "1,6,48",
-                            "--tp", "8", "--check", "--routing", "skewed", "--name", "t1", "--out", str(tmp_path), *FAST])
+                            "--tp", "8", "--check", "--routing", "skewed", "--name", "t1", "--out", str(tmp_path),
+                            *small, *FAST])
     assert r.exit_code == 0, r.output
     assert "interpreter" in r.output
     df = pd.read_csv(tmp_path / "t1.csv")
+    assert json.loads((tmp_path / "t1.json").read_text())["config"]["n_experts"] == 8
     lay = df[df.stage == "layer"].set_index("tokens")
     err = lay["rel_err"].astype(float)
-    # tiny: 16 experts, top-4: T=1 one row a block, T=6 (1.5 a expert) 16-row sorted blocks, both
+    # 8 experts, top-2: T=1 one row a block, T=6 (1.5 a expert) 16-row sorted blocks, both
     # the CUDA-core kernels (fp16 activations); T=48 (12 a expert) the tl.dot kernel (fp32 here)
     assert len(lay) == 3 and err[1] < 2e-3 and err[6] < 2e-3 and err[48] < 1e-4
     assert lay.loc[1, "tiles"].startswith("gemv-m1n") and lay.loc[6, "tiles"].startswith("gemv-m16")

@@ -58,7 +58,7 @@ def test_triton_config_variants(mcfg):
     (8, 1, MoeTritonConfig(gemv=True, block_m=1, block_n13=64, block_n2=64, split_k=0)),
     (8, 6, MoeTritonConfig(gemv=True, block_m=1, block_n13=64, block_n2=128, split_k=3)),  # ragged last split
     (8, 11, MoeTritonConfig(gemv=True, block_m=4, block_n13=64, block_n2=64, split_k=2)),
-    (1, 4, MoeTritonConfig(gemv=True, block_m=2, block_n13=128, block_n2=64, split_k=0)),
+    (2, 4, MoeTritonConfig(gemv=True, block_m=2, block_n13=128, block_n2=64, split_k=0)),  # w2 K = I = 128: 4 groups
 ])
 def test_gemv_matches_reference(tp, tokens, mcfg):
     """CUDA-core path (kernels.moe_gemv): direct (block_m 1) and sorted rows, K splits,
@@ -114,7 +114,7 @@ def _counters_zero(x: torch.Tensor) -> bool:
 @pytest.mark.parametrize("tp,tokens,bn13,split,act_block,dtype,seed", [
     (8, 1, 64, 0, 512, torch.float16, 0),    # decode: one column tile, one split
     (8, 3, 64, 2, 512, torch.float32, 1),    # 2 splits
-    (1, 1, 128, 3, 64, torch.float16, 2),    # 4 column tiles x 3 splits (ragged) per assignment; I = 256 in 4 steps
+    (2, 1, 64, 3, 32, torch.float16, 2),     # 4 column tiles x 3 splits (ragged) per assignment; I = 128 in 4 steps
 ])
 def test_gemv_fused_act_equals_unfused(monkeypatch, tp, tokens, bn13, split, act_block, dtype, seed):
     """block_m 1 with FUSE_ACT: w13's last program per assignment writes exactly the act
