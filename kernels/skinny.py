@@ -44,9 +44,11 @@ NUM_WARPS = 4
 NUM_STAGES = 4
 FUSE_ROUTE = os.environ.get("DDBENCH_FUSE_ROUTE", "1") != "0"     # router top-k in the gate GEMM
 PRELOAD = True     # each program loads its first weight tile before the PDL wait (read at each launch)
-# one bf16 row under PDL: `linear`, `skinny_linear` (not GLU) and `norm_linear` (no GLU, extra
-# outputs or route) run kernels.gemv (CUDA; weights loaded before the PDL wait); read at each call
-CUDA_GEMV = os.environ.get("DDBENCH_CUDA_GEMV", "0") != "0"
+# one bf16 row under PDL: the calls named here run kernels.gemv (CUDA; weights loaded before
+# the PDL wait): "linear" (`linear` without add), "add" and "rope" (`skinny_linear` with that
+# epilogue), "norm" (`norm_linear` without GLU, extra outputs or route). Read at each call;
+# environment DDBENCH_CUDA_GEMV=linear,add,... Off: slower in the c=1 step (docs/BENCHMARKS.md).
+CUDA_GEMV = frozenset(u for u in os.environ.get("DDBENCH_CUDA_GEMV", "").split(",") if u)
 
 
 @triton.jit
@@ -229,8 +231,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
     """x `[.., K]` @ w `[N, K]`^T (+ add `[.., N]`) -> `[.., N]` in x's dtype: the Triton
     kernel where `fits`, cuBLAS else. reuse_add: a contiguous `add` may be overwritten with
     the result (cuBLAS then accumulates into it in place instead of first copying it). With
-    CUDA_GEMV one bf16 row under PDL goes to kernels.gemv (weights loaded before the wait)."""
-    if CUDA_GEMV and add is None and pdl.on(x) and gemv.fits(x, w):
+    "linear" in CUDA_GEMV one bf16 row under PDL goes to kernels.gemv (weights loaded before the wait)."""
+    if "linear" in CUDA_GEMV and add is None and pdl.on(x) and gemv.fits(x, w):
         return gemv.gemv(w, x.contiguous(), pdl=True).view(*x.shape[:-1], w.shape[0])
     if not fits(x, w):
         if add is None:
@@ -266,8 +268,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = N
     add_rows: add has that many rows per row of x (any dtype), their sum is added (e.g. the
     k weighted expert rows of a token, fp32, summed into the shared expert's down GEMM)."""
     k, n = x.shape[-1], w.shape[0] // (2 if glu else 1)
-    if (CUDA_GEMV and not glu and pdl.on(x) and gemv.fits(x, w) and (add is None or add.dtype == torch.float32)
-            and (rope is None or rope[0].dtype == torch.float32)):
+    use = "add" if add is not None else "rope" if rope is not None else "linear"
+    if (use in CUDA_GEMV and not glu and pdl.on(x) and gemv.fits(x, w)
+            and (add is None or add.dtype == torch.float32) and (rope is None or rope[0].dtype == torch.float32)):
         rope = rope and (rope[0].reshape(-1), rope[1].reshape(-1), *rope[2:])
         return gemv.gemv(w, x.contiguous(), pdl=True, add=add, rope=rope).view(*x.shape[:-1], n)
     x2 = x.reshape(-1, k)
@@ -299,7 +302,7 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tens
         raise ValueError(f"norm_linear: the MoE GEMV's fp16 copy needs K % 32 == 0, got K = {k}")
     x2, r2 = (None if t is None else _unit_last(t.reshape(-1, k)) for t in (x, residual))   # [rows, K]
     lead = x.shape[:-1]
-    if CUDA_GEMV and not (glu or out_xn or out_xh or route) and pdl.on(x) and gemv.fits(x2, w):
+    if "norm" in CUDA_GEMV and not (glu or out_xn or out_xh or route) and pdl.on(x) and gemv.fits(x2, w):
         h = None if r2 is None else torch.empty_like(x2)
         y = gemv.gemv(w, x2, pdl=True, norm=(norm_w, eps, r2, h))
         return y.view(*lead, n), None if h is None else h.view(*lead, k), None, None
