@@ -23,6 +23,8 @@
 #define TILE_VEC (ROWS * VEC)
 #define BATCH (NORM ? 2 : 4)     // 16-byte loads of x (and res, nw) a thread has in flight
 
+__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }          // bf16 pair -> fp32
+__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ float ld_f32(const float* p) {   // L2 only: written by another kernel
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
@@ -40,7 +42,7 @@ __device__ __forceinline__ void ld_x8(const x_t* p, float* f) {   // x[0..8) as 
     const uint4 v = ld_v4(p);
     const unsigned u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int e = 0; e < 4; e++) { f[2 * e] = __uint_as_float(u[e] << 16); f[2 * e + 1] = __uint_as_float(u[e] & 0xffff0000u); }
+    for (int e = 0; e < 4; e++) { f[2 * e] = bf16_lo(u[e]); f[2 * e + 1] = bf16_hi(u[e]); }
 }
 #else
 typedef float x_t;
@@ -63,7 +65,7 @@ __device__ __forceinline__ x_t to_x(float f) {                 // f in x's dtype
 }
 __device__ __forceinline__ float as_x(float f) {               // f rounded to x's dtype
 #if X_BF16
-    return __uint_as_float((unsigned)to_bf16(f) << 16);
+    return bf16_lo(to_bf16(f));
 #else
     return f;
 #endif
@@ -81,8 +83,6 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
-__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);

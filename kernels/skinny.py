@@ -226,13 +226,18 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype)
 
 
+def _on_gemv(kind: str, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a call of `kind` (CUDA_GEMV's names) on x, w runs kernels.gemv."""
+    return kind in CUDA_GEMV and pdl.on(x) and gemv.fits(x, w)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
            reuse_add: bool = False) -> torch.Tensor:
     """x `[.., K]` @ w `[N, K]`^T (+ add `[.., N]`) -> `[.., N]` in x's dtype: the Triton
     kernel where `fits`, cuBLAS else. reuse_add: a contiguous `add` may be overwritten with
     the result (cuBLAS then accumulates into it in place instead of first copying it). With
     "linear" in CUDA_GEMV one bf16 row under PDL goes to kernels.gemv (weights loaded before the wait)."""
-    if "linear" in CUDA_GEMV and add is None and pdl.on(x) and gemv.fits(x, w):
+    if add is None and _on_gemv("linear", x, w):
         return gemv.gemv(w, x.contiguous(), pdl=True).view(*x.shape[:-1], w.shape[0])
     if not fits(x, w):
         if add is None:
@@ -268,9 +273,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = N
     add_rows: add has that many rows per row of x (any dtype), their sum is added (e.g. the
     k weighted expert rows of a token, fp32, summed into the shared expert's down GEMM)."""
     k, n = x.shape[-1], w.shape[0] // (2 if glu else 1)
-    use = "add" if add is not None else "rope" if rope is not None else "linear"
-    if (use in CUDA_GEMV and not glu and pdl.on(x) and gemv.fits(x, w)
-            and (add is None or add.dtype == torch.float32) and (rope is None or rope[0].dtype == torch.float32)):
+    kind = "add" if add is not None else "rope" if rope is not None else "linear"
+    if (not glu and _on_gemv(kind, x, w) and (add is None or add.dtype == torch.float32)
+            and (rope is None or rope[0].dtype == torch.float32)):
         rope = rope and (rope[0].reshape(-1), rope[1].reshape(-1), *rope[2:])
         return gemv.gemv(w, x.contiguous(), pdl=True, add=add, rope=rope).view(*x.shape[:-1], n)
     x2 = x.reshape(-1, k)
@@ -302,7 +307,7 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tens
         raise ValueError(f"norm_linear: the MoE GEMV's fp16 copy needs K % 32 == 0, got K = {k}")
     x2, r2 = (None if t is None else _unit_last(t.reshape(-1, k)) for t in (x, residual))   # [rows, K]
     lead = x.shape[:-1]
-    if "norm" in CUDA_GEMV and not (glu or out_xn or out_xh or route) and pdl.on(x) and gemv.fits(x2, w):
+    if not (glu or out_xn or out_xh or route) and _on_gemv("norm", x2, w):
         h = None if r2 is None else torch.empty_like(x2)
         y = gemv.gemv(w, x2, pdl=True, norm=(norm_w, eps, r2, h))
         return y.view(*lead, n), None if h is None else h.view(*lead, k), None, None
