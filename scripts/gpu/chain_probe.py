@@ -109,7 +109,7 @@ for bk, pps in [(bk, pps) for bk in bks for pps in per_sm]:
         err = ((fn().float() - ref).norm() / ref.norm()).item()
         if err > 2e-2:
             print(f"WRONG: {mode} bk {bk} relative error {err:.1e}", flush=True)
-        record(mode, "" if mode == "skinny" else bk, "" if mode == "skinny" else pps, fn, layers, err)
+        record(mode, "" if mode in OWN_MODES else bk, "" if mode in OWN_MODES else pps, fn, layers, err)
 # the cost of a dependency alone: 48 phases of 256 x 256 (128 KB of weights each, L2-resident)
 tiny = chain.build([(256, 256, p - 1) for p in range(48)], dev, sm_count(dev), bk=256)
 for mode in OWN_MODES + chain.MODES:
