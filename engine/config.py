@@ -108,6 +108,17 @@ class ModelConfig:
         """Cached values per token over all layers: MLA latent + rope key (DESIGN §8)."""
         return self.n_layers * (self.kv_lora_rank + self.qk_rope_dim)
 
+    def dense_shapes(self) -> dict[str, tuple[int, int]]:
+        """`[N, K]` of this rank's bf16 weight of each dense GEMM of a layer (at decode, one-row
+        products; the scripts/gpu benchmarks time these shapes)."""
+        h, nh = self.hidden, self.n_local_heads
+        return {"wqkv_a": (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_dim, h),
+                "wq_b": (nh * self.qk_head_dim, self.q_lora_rank),
+                "wo": (h, nh * self.v_head_dim),
+                "router": (self.n_experts, h),
+                "shared_w13": (2 * self.shared_inter_local, h), "shared_w2": (h, self.shared_inter_local),
+                "dense_w13": (2 * self.dense_inter_local, h), "dense_w2": (h, self.dense_inter_local)}
+
     @property
     def moe_layers(self) -> range:
         return range(self.n_dense_layers, self.n_layers)

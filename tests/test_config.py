@@ -12,6 +12,23 @@ def test_k26_facts_and_tp8_rank_shapes():
     r.check_marlin()
 
 
+def test_dense_shapes_are_the_models_weights():
+    """config.dense_shapes names the [N, K] of the bf16 GEMM weights the model builds (tiny,
+    rank 1 of 2), and the K2.6 TP-8 decode shapes the GPU benchmarks time."""
+    from engine.model import Transformer
+    from engine.parallel import SimComm
+    cfg = preset("tiny", tp=2, rank=1)
+    m = Transformer(cfg, SimComm(2, 1, lambda n: 0.0), device="meta")
+    dense, moe = m.layers[0], m.layers[1]
+    got = {"wqkv_a": moe.attn.wqkv_a.weight, "wq_b": moe.attn.wq_b.weight, "wo": moe.attn.wo.weight,
+           "router": moe.ffn.gate, "shared_w13": moe.ffn.shared.w13.weight, "shared_w2": moe.ffn.shared.w2.weight,
+           "dense_w13": dense.ffn.w13.weight, "dense_w2": dense.ffn.w2.weight}
+    assert cfg.dense_shapes() == {k: tuple(w.shape) for k, w in got.items()}
+    assert preset("k2.6", tp=8).dense_shapes() == {
+        "wqkv_a": (2112, 7168), "wq_b": (1536, 1536), "wo": (7168, 1024), "router": (384, 7168),
+        "shared_w13": (512, 7168), "shared_w2": (7168, 256), "dense_w13": (4608, 7168), "dense_w2": (7168, 2304)}
+
+
 def test_yarn_softmax_scale():
     import math
     c = preset("k2.6")

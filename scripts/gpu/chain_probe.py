@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
+from engine.config import preset  # noqa: E402
 from kernels import chain, gemv  # noqa: E402
 from kernels.moe_triton import sm_count  # noqa: E402
 from kernels.skinny import linear  # noqa: E402
@@ -34,7 +35,9 @@ bks = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "256,512").split("
 per_sm = [int(b) for b in (sys.argv[4] if len(sys.argv) > 4 else "1,2").split(",")]
 dev = torch.device("cuda")
 copy = copy_bandwidth_gbps(dev)
-LAYER = [(2112, 7168, -1), (1536, 1536, 0), (7168, 1024, 1), (384, 7168, 2), (512, 7168, 2), (7168, 256, 4)]
+# (N, K, the phase whose output is x: -1 the layer's input) of a layer's six GEMVs
+SRC = {"wqkv_a": -1, "wq_b": 0, "wo": 1, "router": 2, "shared_w13": 2, "shared_w2": 4}
+LAYER = [(*preset("k2.6", tp=8).dense_shapes()[name], src) for name, src in SRC.items()]
 shapes = []
 for layer in range(layers):
     base = len(shapes)

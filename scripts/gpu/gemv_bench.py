@@ -15,14 +15,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
+from engine.config import preset  # noqa: E402
 from kernels import gemv, pdl, skinny  # noqa: E402
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
 copy = copy_bandwidth_gbps(dev)
-SHAPES = {"wqkv_a": (2112, 7168), "wq_b": (1536, 1536), "wo": (7168, 1024), "router": (384, 7168),
-          "shared_w13": (512, 7168), "shared_w2": (7168, 256)}
+SHAPES = {k: v for k, v in preset("k2.6", tp=8).dense_shapes().items() if not k.startswith("dense")}
 VARIANTS = {  # label -> (PROGRAMS_PER_SM, SHARED_BUDGET, WARPS)
     "gemv": (1, 110 * 1024, 8), "gemv 2/SM 55K": (2, 55 * 1024, 8), "gemv 1/SM 200K": (1, 200 * 1024, 8),
     "gemv 1/SM 64K": (1, 64 * 1024, 8), "gemv 16 warps": (1, 110 * 1024, 16), "gemv 4 warps": (1, 110 * 1024, 4)}

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
+from engine.config import preset  # noqa: E402
 from kernels import fused_ops  # noqa: E402
 from kernels.moe_gemv import half_rows  # noqa: E402
 from kernels.skinny import norm_linear, skinny_linear, tiles  # noqa: E402
@@ -24,8 +25,7 @@ out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
 copy = copy_bandwidth_gbps(dev)
-SHAPES = {"wqkv_a": (2112, 7168), "wq_b": (1536, 1536), "wo": (7168, 1024), "shared_w13": (512, 7168),
-          "shared_w2": (7168, 256), "router": (384, 7168), "dense_w13": (4608, 7168), "dense_w2": (7168, 2304)}
+SHAPES = preset("k2.6", tp=8).dense_shapes()
 
 
 def time_each(fns: dict, ws: list) -> dict:
