@@ -196,5 +196,5 @@ class ParallelLMHead(nn.Module):
         self.weight = _weight(vocab // comm.tp, hidden, device, dtype)
 
     def forward(self, h):
-        logits = linear(h, self.weight).float()   # [.., vocab/tp]
+        logits = linear(h, self.weight, gemv_kind="head").float()   # [.., vocab/tp]
         return self.comm.all_gather(logits, dim=-1)  # [.., vocab]

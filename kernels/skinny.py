@@ -45,8 +45,9 @@ NUM_STAGES = 4
 FUSE_ROUTE = os.environ.get("DDBENCH_FUSE_ROUTE", "1") != "0"     # router top-k in the gate GEMM
 PRELOAD = True     # each program loads its first weight tile before the PDL wait (read at each launch)
 # one bf16 row under PDL: the calls named here run kernels.gemv (CUDA; weights loaded before
-# the PDL wait): "linear" (`linear` without add), "add" and "rope" (`skinny_linear` with that
-# epilogue), "norm" (`norm_linear` without GLU, extra outputs or route). Read at each call;
+# the PDL wait): "linear" (`linear` without add: wo, the dense w2), "head" (the same for the
+# lm_head), "add" and "rope" (`skinny_linear` with that epilogue: the shared expert's w2, wq_b),
+# "norm" (`norm_linear` without GLU, extra outputs or route: wqkv_a). Read at each call;
 # environment DDBENCH_CUDA_GEMV=linear,add,... Off: slower in the c=1 step (docs/BENCHMARKS.md).
 CUDA_GEMV = frozenset(u for u in os.environ.get("DDBENCH_CUDA_GEMV", "").split(",") if u)
 
@@ -232,12 +233,12 @@ def _on_gemv(kind: str, x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
-           reuse_add: bool = False) -> torch.Tensor:
+           reuse_add: bool = False, gemv_kind: str = "linear") -> torch.Tensor:
     """x `[.., K]` @ w `[N, K]`^T (+ add `[.., N]`) -> `[.., N]` in x's dtype: the Triton
     kernel where `fits`, cuBLAS else. reuse_add: a contiguous `add` may be overwritten with
     the result (cuBLAS then accumulates into it in place instead of first copying it). With
-    "linear" in CUDA_GEMV one bf16 row under PDL goes to kernels.gemv (weights loaded before the wait)."""
-    if add is None and _on_gemv("linear", x, w):
+    gemv_kind in CUDA_GEMV one bf16 row under PDL goes to kernels.gemv (weights loaded before the wait)."""
+    if add is None and _on_gemv(gemv_kind, x, w):
         return gemv.gemv(w, x.contiguous(), pdl=True).view(*x.shape[:-1], w.shape[0])
     if not fits(x, w):
         if add is None:

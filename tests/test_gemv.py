@@ -129,10 +129,11 @@ def test_gpu_skinny_entry_points_with_cuda_gemv_match_the_triton_path(monkeypatc
         qkv, h, _, _ = skinny.norm_linear(x, nw.view(-1), 1e-6, wa, res)
         q = skinny.skinny_linear(qkv[..., :1536], wq, rope=(ang.cos(), ang.sin(), 192, 128))
         a = skinny.linear(q[..., :1024], wo)
-        return qkv, h, q, a, skinny.skinny_linear(a[..., :256], w2, add=add, add_rows=8)
+        return (qkv, h, q, a, skinny.skinny_linear(a[..., :256], w2, add=add, add_rows=8),
+                skinny.linear(a, wa, gemv_kind="head"))
     want = calls()
-    monkeypatch.setattr(skinny, "CUDA_GEMV", frozenset({"linear", "add", "rope", "norm"}))
+    monkeypatch.setattr(skinny, "CUDA_GEMV", frozenset({"linear", "head", "add", "rope", "norm"}))
     got = calls()
-    for name, a, b in zip(["qkv", "h", "q", "wo", "w2 + add"], got, want):
+    for name, a, b in zip(["qkv", "h", "q", "wo", "w2 + add", "head"], got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
