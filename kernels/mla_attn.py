@@ -67,8 +67,6 @@ MIN_CHUNK = 32    # default min_chunk of decode-size calls (num_splits not given
 DECODE_WAVES = 1.0
 # tile of decode-size calls (read at each call): KV positions per step, warps, stages
 DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES = 32, 4, 3
-# decode-size calls: each split program loads its first KV tile before the PDL wait (read at each call)
-PRELOAD_KV = True
 # out_proj at decode sizes: the merge programs do the value projection (one launch fewer), BLOCK_V
 # projection rows each (both read at each call)
 FUSE_PROJ = True
@@ -97,40 +95,24 @@ def _work_split(plen_ptr, B, T, P, BB: tl.constexpr, BLOCK_N: tl.constexpr, MIN_
 
 
 @triton.jit
-def _kv_tile(ckv, kpe, sc_s, sk_s, n0, end, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The cached latent halves and rope keys of positions n0 .. min(n0 + BLOCK_N, end), zero past end."""
+def _attend_tile(q_lo, q_hi, qr, ckv, kpe, sc_s, sk_s, n0, end, plen, m_i, l_2d, acc_lo, acc_hi, qk_scale,
+                 vis_rows, rok, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                 NEW: tl.constexpr):
+    """One online-softmax step over cache positions n0 .. min(n0 + BLOCK_N, end): scores of the
+    query rows (latent halves q_lo/q_hi, rope qr) against the cached latent + rope, masked to
+    the rows `rok` and, for NEW tiles (tree nodes at positions >= plen), to `vis_rows`
+    (per row, a pointer to its uint8 visibility row); returns the updated (max, sum, acc).
+    The softmax sum is kept per score column, `l_2d` [BM, BN], and summed over the columns
+    once after the loop: one cross-warp reduction per tile (the max) instead of two."""
     half: tl.constexpr = DL // 2
     dl = tl.arange(0, half)
+    dr = tl.arange(0, DR)
     pos = n0 + tl.arange(0, BLOCK_N)
     pok = pos < end
     k_rows = ckv + pos[:, None] * sc_s + dl[None, :]
     k_lo = tl.load(k_rows, mask=pok[:, None], other=0.0)                                  # [BN, DL/2]
     k_hi = tl.load(k_rows + half, mask=pok[:, None], other=0.0)                           # [BN, DL/2]
-    kr = tl.load(kpe + pos[:, None] * sk_s + tl.arange(0, DR)[None, :], mask=pok[:, None], other=0.0)  # [BN, DR]
-    return k_lo, k_hi, kr
-
-
-@triton.jit
-def _attend_tile(q_lo, q_hi, qr, ckv, kpe, sc_s, sk_s, n0, end, plen, m_i, l_2d, acc_lo, acc_hi, qk_scale,
-                 vis_rows, rok, DL: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-                 NEW: tl.constexpr):
-    """One online-softmax step over cache positions n0 .. min(n0 + BLOCK_N, end), `_attend`."""
-    k_lo, k_hi, kr = _kv_tile(ckv, kpe, sc_s, sk_s, n0, end, DL, DR, BLOCK_N)
-    return _attend(q_lo, q_hi, qr, k_lo, k_hi, kr, n0, end, plen, m_i, l_2d, acc_lo, acc_hi, qk_scale,
-                   vis_rows, rok, BLOCK_N, PREC, NEW)
-
-
-@triton.jit
-def _attend(q_lo, q_hi, qr, k_lo, k_hi, kr, n0, end, plen, m_i, l_2d, acc_lo, acc_hi, qk_scale,
-            vis_rows, rok, BLOCK_N: tl.constexpr, PREC: tl.constexpr, NEW: tl.constexpr):
-    """The online-softmax step for the `_kv_tile` of positions n0 .. min(n0 + BLOCK_N, end):
-    scores of the query rows (latent halves q_lo/q_hi, rope qr) against the cached latent +
-    rope, masked to the rows `rok` and, for NEW tiles (tree nodes at positions >= plen), to
-    `vis_rows` (per row, a pointer to its uint8 visibility row); returns the updated (max,
-    sum, acc). The softmax sum is kept per score column, `l_2d` [BM, BN], and summed over
-    the columns once after the loop: one cross-warp reduction per tile (the max) instead of two."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    pok = pos < end
+    kr = tl.load(kpe + pos[:, None] * sk_s + dr[None, :], mask=pok[:, None], other=0.0)  # [BN, DR]
     # three independent MMA chains (latent halves, rope) instead of one over 576 dims; each
     # product is scaled before the sum so the compiler does not chain them as accumulators
     s = (tl.dot(q_lo, tl.trans(k_lo), input_precision=PREC) * qk_scale
@@ -167,19 +149,15 @@ def _mla_split_kernel(
     B, T, H, R, P, qk_scale,           # R = T*H query rows; P = target number of work items
     DL: tl.constexpr, DR: tl.constexpr, BB: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, PREC: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query block, work item): BLOCK_M query rows (row = t*H + h) against one
     chunk [start, end) of one stream's live KV, online softmax in base 2; writes the
     unnormalized acc + (max, sum) of work item w for `_mla_combine_kernel`. Work item w
     belongs to the stream whose chunks (numbered stream after stream, `_work_split`) hold
     it; items past the last chunk do nothing. DIRECT: work item = stream, whole live KV,
-    normalized output. PDL: launched as a dependent of the previous kernel (kernels.pdl).
-    PRELOAD: the chunk's first prefix tile is loaded before the PDL wait (as are the prefix
-    lengths): the cache was written at least three kernels earlier (mla_a_post, then wq_b
-    and the query absorption), so by kernels.pdl's rule 2 it is complete; the queries are not."""
-    if not PRELOAD:
-        pdl.enter(PDL)
+    normalized output. PDL: launched as a dependent of the previous kernel (kernels.pdl)."""
+    pdl.enter(PDL)
     mb, w = tl.program_id(0), tl.program_id(1)
     if DIRECT:
         b = w
@@ -199,12 +177,6 @@ def _mla_split_kernel(
     ckv = ckv_ptr + b64 * sc_b
     kpe = kpe_ptr + b64 * sk_b
 
-    prefix_end = tl.minimum(end, plen)
-    first = start
-    if PRELOAD:
-        k_lo, k_hi, kr = _kv_tile(ckv, kpe, sc_s, sk_s, start, prefix_end, DL, DR, BLOCK_N)
-        pdl.enter(PDL)
-        first = start + BLOCK_N
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rok = rows < R
     t = rows // H
@@ -225,12 +197,9 @@ def _mla_split_kernel(
     # prefix tiles (all visible), then the tiles of new tokens (visibility mask): two loops so
     # the long one has no mask load (with one, Triton 3.6 kept the softmax state in two layouts
     # and converted every score tile between them)
-    if PRELOAD:   # the preloaded tile (all masked when the chunk has no prefix positions)
-        m_i, l_2d, acc_lo, acc_hi = _attend(q_lo, q_hi, qr, k_lo, k_hi, kr, start, prefix_end, plen, m_i, l_2d,
-                                            acc_lo, acc_hi, qk_scale, vis_ptr, rok, BLOCK_N, PREC, False)
-    for n0 in range(first, prefix_end, BLOCK_N):
+    for n0 in range(start, tl.minimum(end, plen), BLOCK_N):
         m_i, l_2d, acc_lo, acc_hi = _attend_tile(
-            q_lo, q_hi, qr, ckv, kpe, sc_s, sk_s, n0, prefix_end, plen, m_i, l_2d, acc_lo, acc_hi,
+            q_lo, q_hi, qr, ckv, kpe, sc_s, sk_s, n0, tl.minimum(end, plen), plen, m_i, l_2d, acc_lo, acc_hi,
             qk_scale, vis_ptr + b64 * sv_b + t[:, None] * sv_t, rok, DL, DR, BLOCK_N, PREC, False)
     for n0 in range(tl.maximum(start, plen), end, BLOCK_N):
         m_i, l_2d, acc_lo, acc_hi = _attend_tile(
@@ -437,7 +406,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         out, out.stride(0), out.stride(1), out.stride(2),
         b, t, h, rows, n_work, scale * LOG2E,
         DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
-        PREC=prec, PRELOAD=small and PRELOAD_KV, num_warps=num_warps, num_stages=num_stages, **pdl.args(on))
+        PREC=prec, num_warps=num_warps, num_stages=num_stages, **pdl.args(on))
     if not direct and out_proj is not None and small and FUSE_PROJ:
         dv = out_proj.shape[1]
         if out_proj.stride(-1) != 1 or out_proj.shape[0] != h or out_proj.shape[2] != dl:
