@@ -229,6 +229,22 @@ def _on_openai_event(o: Outcome, d: dict, now: float) -> None:
         o.usage_seen = True
 
 
+async def within(coro, timeout: float):
+    """`await coro`, asyncio.TimeoutError after `timeout` s. Unlike asyncio.wait_for (Python <=
+    3.11), a cancellation of the caller (Ctrl-C) is never lost when coro finishes at the same
+    moment: wait_for then returns coro's result and the run went on to its last request."""
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise asyncio.TimeoutError
+    return task.result()
+
+
 async def request_once(client, api: str, base: str, p: Prompt, index: int, timeout: float,
                        model: str | None = None, plain: bool = False) -> Outcome:
     """Send one streaming request and measure it; never raises (errors land in `error`)."""
@@ -270,7 +286,7 @@ async def request_once(client, api: str, base: str, p: Prompt, index: int, timeo
 
     o.start = time.perf_counter()
     try:
-        await asyncio.wait_for(stream(), timeout)
+        await within(stream(), timeout)
         if api == "openai" and not o.usage_seen:
             o.completion_tokens = p.output_len  # the server sent no usage: ignore_eos length
             o.tokens_from = "requested"

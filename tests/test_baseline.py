@@ -191,6 +191,36 @@ def test_stream_without_done_or_tokens_is_an_error():
         bl._on_openai_event(o, {"choices": [{"text": "", "finish_reason": "abort"}]}, 1.0)
 
 
+def test_within_keeps_a_cancel_that_meets_the_result():
+    """Ctrl-C cancels the run's task; if a request finishes in the same loop turn, the cancel
+    must still stop the run (asyncio.wait_for of Python 3.11 returned the result instead, and
+    `ddbench baseline` went on to its last prompt). Also: results, errors and the timeout."""
+    async def race(wrap):
+        ev = asyncio.Event()
+
+        async def inner():
+            await ev.wait()
+            return 1
+        outer = asyncio.ensure_future(wrap(inner(), 10))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        ev.set()        # inner finishes in the next turn, before outer sees its cancel
+        outer.cancel()
+        try:
+            return await outer
+        except asyncio.CancelledError:
+            return "cancelled"
+
+    async def fails():
+        raise bl.StreamError("x")
+    assert asyncio.run(race(bl.within)) == "cancelled"
+    assert asyncio.run(bl.within(asyncio.sleep(0, result=7), 1)) == 7
+    with pytest.raises(bl.StreamError):
+        asyncio.run(bl.within(fails(), 1))
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(bl.within(asyncio.sleep(5), 0.05))
+
+
 def test_summary_maths_on_hand_made_outcomes():
     a = bl.Outcome(index=0, output_len=5, ok=True, completion_tokens=5, ttft=0.1, latency=0.5,
                    itl=[0.1] * 4, spec_verify_ct=2, prompt_tokens=10)
@@ -272,7 +302,7 @@ def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
                 break
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=20)
+        _, err = proc.communicate(timeout=60)   # a hang guard: the exit itself takes 1-3 s, more on a loaded box
     assert proc.returncode == 130, err
     [reqs] = (tmp_path / "b").glob("baseline_requests_*.csv")
     kept = rows(reqs)
