@@ -39,6 +39,7 @@ OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "attention chunks 32 capped": [("kernels.mla_attn", "MIN_CHUNK", 64), ("kernels.mla_attn", "MAX_CHUNKS", 0)],
     "skinny preload": [("kernels.skinny", "PRELOAD", False)],
     "attention merge + value projection": [("kernels.mla_attn", "FUSE_PROJ", False)],
+    "cuda gemv for wq_b": [("kernels.skinny", "CUDA_GEMV", frozenset())],
 }
 _gemv = importlib.import_module("kernels.moe_triton").TILE_TABLE
 _row0 = _gemv[0]
