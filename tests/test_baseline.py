@@ -290,10 +290,13 @@ def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
         # Ctrl-C mid-run: finished requests stay on disk, the sidecar says incomplete (500 prompts
         # take ~85 s, so the signal lands mid-run even if this loop is slow to see the rows)
         s.configure(gap_s=0.05)
-        proc = subprocess.Popen([sys.executable, "-m", "ddbench", "baseline", "--url", s.url, "-c", "1",
-                                 "--num-prompts", "500", "--input-len", "4", "--output-len", "4",
+        proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "ddbench", "baseline",
+                                 "--url", s.url, "-c", "1", "--num-prompts", "500", "--input-len", "4", "--output-len", "4",
                                  "--warmup", "0", "--out", str(tmp_path / "b")], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                # a shell starts background jobs with SIGINT ignored, and a child
+                                # inherits that: Python then never turns Ctrl-C into KeyboardInterrupt
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         partial = []
         deadline = time.time() + 20
         while time.time() < deadline and proc.poll() is None:
@@ -302,7 +305,12 @@ def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
                 break
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)   # a hang guard: the exit itself takes 1-3 s, more on a loaded box
+        try:
+            _, err = proc.communicate(timeout=60)   # the exit itself takes 1-6 s, more on a loaded box
+        except subprocess.TimeoutExpired:   # a hang: SIGABRT makes faulthandler print every thread's stack
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"no exit 60 s after Ctrl-C ({len(partial)} partial file(s)); stacks:\n{err[-6000:]}")
     assert proc.returncode == 130, err
     [reqs] = (tmp_path / "b").glob("baseline_requests_*.csv")
     kept = rows(reqs)
