@@ -93,34 +93,30 @@ def _mla_a_post_kernel(
     T, Q, L, R, eps,
     BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    b = row // T
-    oq = tl.arange(0, BLOCK_Q)
-    mq = oq < Q
-    offs = tl.arange(0, BLOCK_L)
-    m = offs < L
-    i = tl.arange(0, BLOCK_H)
-    mh = i < R // 2
-    # before the PDL wait: the norm weights (static), the cache position and the rope angles
-    # (written by the step's first kernels, far more than one kernel back: kernels.pdl rule 2)
-    qw = tl.load(qw_ptr + oq, mask=mq, other=0.0).to(tl.float32)
-    kvw = tl.load(kvw_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    pos = tl.load(plen_ptr + b).to(tl.int64) + row % T
-    cs = tl.load(cos_ptr + row * stride_cs + i, mask=mh, other=0.0)
-    sn = tl.load(sin_ptr + row * stride_cs + i, mask=mh, other=0.0)
     pdl.enter(PDL)
+    row = tl.program_id(0)
     src = qkv_ptr + row * stride_qkv
     # q latent: RMSNorm -> q
+    oq = tl.arange(0, BLOCK_Q)
+    mq = oq < Q
     a = tl.load(src + oq, mask=mq, other=0.0).to(tl.float32)
-    a = a / tl.sqrt(tl.sum(a * a, axis=0) / Q + eps) * qw
+    a = a / tl.sqrt(tl.sum(a * a, axis=0) / Q + eps) * tl.load(qw_ptr + oq, mask=mq, other=0.0).to(tl.float32)
     tl.store(q_ptr + row * stride_q + oq, a.to(q_ptr.dtype.element_ty), mask=mq)
     # kv latent: RMSNorm -> ckv cache at prefix_len[b] + t
+    b = row // T
+    pos = tl.load(plen_ptr + b).to(tl.int64) + row % T
+    offs = tl.arange(0, BLOCK_L)
+    m = offs < L
     c = tl.load(src + Q + offs, mask=m, other=0.0).to(tl.float32)
-    c = c / tl.sqrt(tl.sum(c * c, axis=0) / L + eps) * kvw
+    c = c / tl.sqrt(tl.sum(c * c, axis=0) / L + eps) * tl.load(kvw_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(ckv_ptr + b * stride_cb + pos * stride_cs_pos + offs, c.to(ckv_ptr.dtype.element_ty), mask=m)
     # k_pe: interleaved rope -> kpe cache
+    i = tl.arange(0, BLOCK_H)
+    mh = i < R // 2
     x0 = tl.load(src + Q + L + 2 * i, mask=mh, other=0.0).to(tl.float32)
     x1 = tl.load(src + Q + L + 2 * i + 1, mask=mh, other=0.0).to(tl.float32)
+    cs = tl.load(cos_ptr + row * stride_cs + i, mask=mh, other=0.0)
+    sn = tl.load(sin_ptr + row * stride_cs + i, mask=mh, other=0.0)
     dst = kpe_ptr + b * stride_pb + pos * stride_ps_pos
     tl.store(dst + 2 * i, (x0 * cs - x1 * sn).to(kpe_ptr.dtype.element_ty), mask=mh)
     tl.store(dst + 2 * i + 1, (x0 * sn + x1 * cs).to(kpe_ptr.dtype.element_ty), mask=mh)
@@ -251,26 +247,17 @@ def _route_kernel(
     K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per token."""
-    bias = route_bias(bias_ptr, E, BLOCK_E)    # static: loaded before the PDL wait
     pdl.enter(PDL)
     row = tl.program_id(0)
-    route_row(logits_ptr + row * stride_l, bias, ids_ptr + row * K, w_ptr + row * K, E, scaling,
+    route_row(logits_ptr + row * stride_l, bias_ptr, ids_ptr + row * K, w_ptr + row * K, E, scaling,
               K, BLOCK_E, BLOCK_K)
 
 
 @triton.jit
-def route_bias(bias_ptr, E, BLOCK_E: tl.constexpr):
-    """The router's score bias [E] as fp32 `[BLOCK_E]` for `route_row` (static: callers load it
-    before their PDL wait, so its DRAM round trip is off the top-k's chain)."""
-    offs = tl.arange(0, BLOCK_E)
-    return tl.load(bias_ptr + offs, mask=offs < E, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def route_row(lrow, bias, ids_row, w_row, E, scaling,
+def route_row(lrow, bias_ptr, ids_row, w_row, E, scaling,
               K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """One token's routing: logits lrow [E] (read past L1, `.cg`: another program of the same
-    kernel may have written them), bias (`route_bias`) -> ids_row int32 [K], w_row fp32 [K]. Used by
+    kernel may have written them), bias [E] -> ids_row int32 [K], w_row fp32 [K]. Used by
     `route` and by the skinny router GEMM's epilogue (kernels.skinny).
 
     Top-k by K rounds of one max over int64 keys that order by (score + bias, then lower
@@ -281,7 +268,7 @@ def route_row(lrow, bias, ids_row, w_row, E, scaling,
     m = offs < E
     z = tl.load(lrow + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-z))
-    sel = tl.where(m, sig + bias, float("-inf"))
+    sel = tl.where(m, sig + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32), float("-inf"))
     bits = sel.to(tl.int32, bitcast=True)
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)                   # signed order == float order
     key = (bits.to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)

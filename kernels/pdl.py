@@ -8,10 +8,8 @@ completed and its writes are visible, so the launch overlaps kernel i's tail.
 The rules every kernel launched with `args` follows, so that the chain is correct
 whatever overlaps:
 1. each program calls `enter` (wait; then, in mode 2, let the next kernel launch) before it
-   reads anything its predecessor may write, writes anything, or exits (static weights may
-   be read before it: kernels.skinny loads its first weight tile there; so may what kernels
-   two or more launches back wrote, by rule 2: mla_a_post reads the cache position and the
-   rope angles there);
+   reads any input that a kernel writes, writes anything, or exits (static weights may be
+   read before it: kernels.skinny loads its first weight tile there);
 2. so a kernel is let in only after every program of its predecessor passed `enter`, i.e.
    after the kernel before that completed: its launch overlaps its predecessor and nothing
    older. A kernel without PDL in the chain (cuBLAS, torch) starts after its predecessor ends.

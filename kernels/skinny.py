@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels import gemv, pdl, ticket
-from kernels.fused_ops import route_bias, route_row
+from kernels.fused_ops import route_row
 from kernels.moe_triton import sm_count
 
 MAX_ROWS = 4
@@ -88,8 +88,6 @@ def _skinny_kernel(
     n_ok, m_ok = n < N, m < M
     w_rows = w_ptr + b * stride_wb + n.to(tl.int64)[:, None] * stride_wn                 # [BN, 1]
     x_rows = x_ptr + b * stride_xb + m[:, None] * stride_xm                             # [BM, 1]
-    if ROUTE:  # the router's bias is static: loaded before the wait, off the top-k's chain
-        bias = route_bias(bias_ptr, N, BLOCK_E)
     if PRELOAD:  # the first K tile's weights (static: no earlier kernel writes them) before
         # the PDL wait, so that their DRAM round trip overlaps the previous kernel's tail
         w0, u0 = _w_tile(w_rows, kk, n_ok, K, stride_wk, N * stride_wn, GLU)
@@ -141,7 +139,7 @@ def _skinny_kernel(
     if ROUTE:  # the last program to store its logits sees them all: each row's top-k
         if ticket.last_to_arrive(cnt_ptr, tl.num_programs(0)):
             for row in range(0, M):
-                route_row(y_ptr + row * stride_ym, bias, ids_ptr + row * TOP_K, rw_ptr + row * TOP_K, N,
+                route_row(y_ptr + row * stride_ym, bias_ptr, ids_ptr + row * TOP_K, rw_ptr + row * TOP_K, N,
                           scaling, TOP_K, BLOCK_E, BLOCK_TK)
 
 
