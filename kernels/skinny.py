@@ -49,7 +49,7 @@ PRELOAD = True     # each program loads its first weight tile before the PDL wai
 # lm_head), "add" and "rope" (`skinny_linear` with that epilogue: the shared expert's w2, wq_b),
 # "norm" (`norm_linear` without GLU, extra outputs or route: wqkv_a). Read at each call;
 # environment DDBENCH_CUDA_GEMV=rope,add,... ("none": no call). In the c=1 decode step on the
-# H200 "rope" took 57-63 us off in three runs; each of the others was slower or even
+# H200 "rope" took 57-63 us off in four runs; each of the others was slower or even
 # (docs/BENCHMARKS.md, decode sessions 11-12).
 CUDA_GEMV = frozenset(u for u in os.environ.get("DDBENCH_CUDA_GEMV", "rope").split(",") if u and u != "none")
 

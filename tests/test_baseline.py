@@ -291,7 +291,8 @@ def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
         # take ~85 s, so the signal lands mid-run even if this loop is slow to see the rows)
         s.configure(gap_s=0.05)
         proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "ddbench", "baseline",
-                                 "--url", s.url, "-c", "1", "--num-prompts", "500", "--input-len", "4", "--output-len", "4",
+                                 "--url", s.url, "-c", "1", "--num-prompts", "500", "--input-len", "4",
+                                 "--output-len", "4",
                                  "--warmup", "0", "--out", str(tmp_path / "b")], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 # a shell starts background jobs with SIGINT ignored, and a child

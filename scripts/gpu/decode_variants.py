@@ -26,9 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.decode import build_model  # noqa: E402
+from engine import model as em  # noqa: E402
 from engine.config import preset  # noqa: E402
 from engine.decode import Decoder  # noqa: E402
-from engine.parallel import SimComm  # noqa: E402
+from engine.parallel import RowParallelLinear, SimComm  # noqa: E402
+from kernels import moe_gemv, skinny  # noqa: E402
 
 OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "pdl": [("kernels.pdl", "ENABLED", False)],
@@ -120,33 +122,30 @@ def skipped(fn, when=None):
     return stub
 
 
-def ablations(model) -> dict:
-    """skip .. -> [(owner, attribute, stub), ..] for the step's launches, a MoE layer's in order."""
-    from engine import model as em
-    from engine.parallel import RowParallelLinear
-    from kernels import moe_gemv, skinny
-    wo = {id(blk.attn.wo) for blk in model.layers}
-    return {
-        "skip wqkv_a + attn norm": [(em.Ops, "norm_linear", skipped(em.Ops.norm_linear, lambda *a, glu=False: not glu))],
-        "skip mla_a_post": [(model.ops, "mla_a_post", skipped(model.ops.mla_a_post))],
-        "skip wq_b + rope": [(em.Ops, "rope_linear", skipped(em.Ops.rope_linear))],
-        "skip q absorption": [(em, "heads_linear", skipped(em.heads_linear))],
-        "skip attention + value projection": [(blk.attn, "attend", skipped(blk.attn.attend)) for blk in model.layers],
-        "skip wo": [(RowParallelLinear, "forward", skipped(RowParallelLinear.forward, lambda lin, *a, **k: id(lin) in wo))],
-        "skip router + ffn norm + top-k": [(skinny, "norm_linear", skipped(skinny.norm_linear,
-                                                                           lambda *a, route=None, **k: route is not None))],
-        "skip shared expert gate/up": [(em.Ops, "glu_linear", skipped(em.Ops.glu_linear))],
-        "skip MoE w13 + act": [(moe_gemv, "gemv_w13", skipped(moe_gemv.gemv_w13))],
-        "skip MoE w2": [(moe_gemv, "gemv_w2", skipped(moe_gemv.gemv_w2))],
-        "skip shared expert down + k-sum": [(em.MLP, "down", skipped(em.MLP.down, lambda *a, add_rows=1, **k: add_rows > 1))],
-        "skip lm_head": [(model.head, "forward", skipped(model.head.forward))],
-    }
+def _skip(owner, attr: str, when=None) -> list:
+    """An ablation's setting: owner.attr replaced by `skipped(owner.attr, when)`."""
+    return [(owner, attr, skipped(getattr(owner, attr), when))]
 
 
-ABLATIONS = ("skip wqkv_a + attn norm", "skip mla_a_post", "skip wq_b + rope", "skip q absorption",
-             "skip attention + value projection", "skip wo", "skip router + ffn norm + top-k",
-             "skip shared expert gate/up", "skip MoE w13 + act", "skip MoE w2", "skip shared expert down + k-sum",
-             "skip lm_head")
+def _skip_wo(m) -> list:
+    wo = {id(blk.attn.wo) for blk in m.layers}
+    return _skip(RowParallelLinear, "forward", lambda lin, *a, **k: id(lin) in wo)
+
+
+ABLATIONS = {  # name -> (model -> [(owner, attribute, stub), ..]); a MoE layer's launches in order
+    "skip wqkv_a + attn norm": lambda m: _skip(em.Ops, "norm_linear", lambda *a, glu=False: not glu),
+    "skip mla_a_post": lambda m: _skip(m.ops, "mla_a_post"),
+    "skip wq_b + rope": lambda m: _skip(em.Ops, "rope_linear"),
+    "skip q absorption": lambda m: _skip(em, "heads_linear"),
+    "skip attention + value projection": lambda m: [s for blk in m.layers for s in _skip(blk.attn, "attend")],
+    "skip wo": _skip_wo,
+    "skip router + ffn norm + top-k": lambda m: _skip(skinny, "norm_linear", lambda *a, route=None, **k: route is not None),
+    "skip shared expert gate/up": lambda m: _skip(em.Ops, "glu_linear"),
+    "skip MoE w13 + act": lambda m: _skip(moe_gemv, "gemv_w13"),
+    "skip MoE w2": lambda m: _skip(moe_gemv, "gemv_w2"),
+    "skip shared expert down + k-sum": lambda m: _skip(em.MLP, "down", lambda *a, add_rows=1, **k: add_rows > 1),
+    "skip lm_head": lambda m: _skip(m.head, "forward"),
+}
 pick = sys.argv[3].split(",") if len(sys.argv) > 3 else list(OPTIONS)
 if "skip all" in pick:
     pick = [k for k in pick if k != "skip all"] + list(ABLATIONS)
@@ -169,7 +168,7 @@ cfg = preset("k2.6", tp=8, rank=0)
 model, _ = build_model(cfg, SimComm(8, 0, lambda n: 0.0), None, "triton", "triton", 0, dev, "auto")
 SETTINGS = {k: [(importlib.import_module(m) if isinstance(m, str) else m, a, v) for m, a, v in settings]
             for k, settings in {**present, **{k: v for k, v in TRIALS.items() if k in pick},
-                                **{k: v for k, v in ablations(model).items() if k in pick}}.items()}
+                                **{k: ABLATIONS[k](model) for k in pick if k in ABLATIONS}}.items()}
 # every attribute a variant sets, with its value now (an instance's own or its class's)
 defaults = {(id(o), a): (o, a, getattr(o, a)) for v in SETTINGS.values() for o, a, _ in v}
 own = {(id(o), a) for v in SETTINGS.values() for o, a, _ in v if a in vars(o)}
