@@ -241,6 +241,7 @@ async def within(coro, timeout: float):
         raise
     if not done:
         task.cancel()
+        await asyncio.wait({task})   # the request closes its stream before the next starts, as with wait_for
         raise asyncio.TimeoutError
     return task.result()
 
