@@ -5,11 +5,12 @@ the kernel against the right meaning)."""
 import pytest
 import torch
 
+from engine.config import preset
 from kernels import fused_ops, gemv, skinny
 
 
 def test_config_fits_two_programs_an_sm_and_tiles_divide_k():
-    for n, k in [(2112, 7168), (1536, 1536), (7168, 1024), (384, 7168), (7168, 256), (7168, 2304)]:
+    for n, k in preset("k2.6", tp=8).dense_shapes().values():   # every dense decode GEMM of K2.6 TP-8
         c = gemv.config(n, k)
         assert k % c["KC"] == 0 and 32 % (c["KC"] // 8 // c["WARPS"]) == 0 and c["STAGES"] >= 2
         assert c["STAGES"] * c["ROWS"] * c["KC"] * 2 + 4 * k <= gemv.SHARED_BUDGET
