@@ -84,7 +84,7 @@ def cubin(source: str, defines: tuple[tuple[str, int], ...], arch: str) -> bytes
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), text, source.encode(), 0, None, None):
         raise RuntimeError(f"nvrtcCreateProgram failed for {source}")
-    opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device"]
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device", f"--include-path={Path(__file__).parent}"]
     opts += [f"-D{k}={v}" for k, v in defines]
     c_opts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     rc = lib.nvrtcCompileProgram(prog, len(opts), c_opts)

@@ -23,19 +23,7 @@
 #define TILE_VEC (ROWS * VEC)
 #define BATCH (NORM ? 2 : 4)     // 16-byte loads of x (and res, nw) a thread has in flight
 
-__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }          // bf16 pair -> fp32
-__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ float ld_f32(const float* p) {   // L2 only: written by another kernel
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ uint4 ld_v4(const void* p) {     // 16 bytes, L2 only
-    uint4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
+#include "common.cuh"
 #if X_BF16
 typedef unsigned short x_t;
 __device__ __forceinline__ void ld_x8(const x_t* p, float* f) {   // x[0..8) as fp32 (16-byte aligned)
@@ -52,10 +40,6 @@ __device__ __forceinline__ void ld_x8(const x_t* p, float* f) {
     f[4] = __uint_as_float(b.x); f[5] = __uint_as_float(b.y); f[6] = __uint_as_float(b.z); f[7] = __uint_as_float(b.w);
 }
 #endif
-__device__ __forceinline__ unsigned short to_bf16(float f) {   // round to nearest even (finite f)
-    const unsigned u = __float_as_uint(f);
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 __device__ __forceinline__ x_t to_x(float f) {                 // f in x's dtype
 #if X_BF16
     return to_bf16(f);
@@ -78,16 +62,6 @@ typedef float y_t;
 __device__ __forceinline__ y_t out(float f) { return f; }
 #endif
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 1)
 gemv(const uint4* __restrict__ w, const x_t* x, y_t* y, int n, int k, int pdl,
@@ -162,12 +136,7 @@ gemv(const uint4* __restrict__ w, const x_t* x, y_t* y, int n, int k, int pdl,
     }
 #if NORM
     __shared__ float nred[WARPS];
-    ss = warp_sum(ss);
-    if (lane == 0) nred[warp] = ss;
-    __syncthreads();
-    ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < WARPS; i++) ss += nred[i];
+    ss = block_sum<WARPS>(ss, nred);
     rstd = rsqrtf(ss / k + eps);
 #endif
     // warp w multiplies the vectors w VW .. w VW + VW - 1 of every tile row: lane group g = lane / VW

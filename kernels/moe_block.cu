@@ -58,37 +58,13 @@
 typedef unsigned short bf16_t;
 #define NEG_INF __int_as_float(0xff800000)
 
-__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ unsigned short to_bf16(float f) {   // round to nearest even (finite f)
-    const unsigned u = __float_as_uint(f);
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "common.cuh"
+
 __device__ __forceinline__ float round_bf16(float f) { return bf16_lo(to_bf16(f)); }
 __device__ __forceinline__ unsigned short to_f16(float f) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
-}
-__device__ __forceinline__ float ld_cg(const float* p) {   // L2: written by another program
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ uint4 ld_v4(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
 }
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 __device__ __forceinline__ float dot8(uint4 w, const float* x) {   // 8 bf16 weights . 8 fp32
@@ -345,12 +321,7 @@ moe_block(const bf16_t* a, const bf16_t* res, const bf16_t* nw, float eps,     /
                 if (v >= h0 && v < h1) *reinterpret_cast<uint4*>(h_out + 8 * v) = av[i];
             }
         }
-        ss = warp_sum(ss);
-        if (lane == 0) part[warp] = ss;
-        __syncthreads();
-        ss = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) ss += part[w];
+        ss = block_sum<WARPS>(ss, part);
         const float rstd = rsqrtf(ss / H + eps);
 #pragma unroll
         for (int i = 0; i < XV; i++) {            // xn = h * rstd * nw: fp32 in xs, fp16 in xh
@@ -403,7 +374,7 @@ moe_block(const bf16_t* a, const bf16_t* res, const bf16_t* nw, float eps,     /
 #pragma unroll
         for (int i = 0; i < EPL; i++) {
             const int e = lane + 32 * i;
-            score[i] = e < E ? ld_cg(logits + e) : 0.f;
+            score[i] = e < E ? ld_f32(logits + e) : 0.f;
             sel[i] = e < E ? bias[e] : NEG_INF;
         }
 #pragma unroll
@@ -472,11 +443,11 @@ moe_block(const bf16_t* a, const bf16_t* res, const bf16_t* nw, float eps,     /
             if (idx < TOPK * I)
 #pragma unroll
                 for (int s = 0; s < KS; s++) {
-                    g[m] += ld_cg(part13 + (s * TOPK + j) * (2 * I) + i);
-                    u[m] += ld_cg(part13 + (s * TOPK + j) * (2 * I) + I + i);
+                    g[m] += ld_f32(part13 + (s * TOPK + j) * (2 * I) + i);
+                    u[m] += ld_f32(part13 + (s * TOPK + j) * (2 * I) + I + i);
                 }
         }
-        for (int i = tid; i < SI; i += THREADS) sact_s[i] = ld_cg(sact + i);
+        for (int i = tid; i < SI; i += THREADS) sact_s[i] = ld_f32(sact + i);
 #pragma unroll
         for (int m = 0; m < ACTN; m++) {
             const int idx = tid + m * THREADS;

@@ -7,12 +7,14 @@ python3 scripts/gpu/moe_block_bench.py [OUT_DIR]  -> OUT_DIR/moe_block_bench.csv
 phase: median and max over programs, us at the SM clock measured here). About 30 s.
 """
 import csv
+import itertools
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from ddbench.timing import bench  # noqa: E402
 from engine.config import preset  # noqa: E402
 from kernels import moe_block  # noqa: E402
 from kernels.moe import random_marlin_moe  # noqa: E402
@@ -46,21 +48,10 @@ print(f"config {c}, grid {grid}; bytes a launch {(dense + routed) / 1e6:.1f} MB 
 
 
 def graph_us(n: int, pdl: bool) -> float:
-    """us a launch: n launches (weight sets in turn) captured once, replayed 20 times."""
-    for i in range(3):
-        moe_block.moe_block(**sets[i % 3], pdl=pdl)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n):
-            moe_block.moe_block(**sets[i % 3], pdl=pdl)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (20 * n)
+    """us a launch: graphs of n launches (weight sets in turn), replayed (ddbench.timing)."""
+    turn = itertools.count()
+    return bench(lambda: moe_block.moe_block(**sets[next(turn) % 3], pdl=pdl), device=dev, graph=True,
+                 graph_ops=n, reps=20).median_us
 
 
 rows = []
@@ -79,9 +70,6 @@ for _ in range(3):
     graph.replay()
 torch.cuda.synchronize()
 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-t0 = torch.cuda.Event(enable_timing=True)
-t0.record()
-torch.cuda._sleep(2_000_000)
 start.record()
 torch.cuda._sleep(2_000_000)
 end.record()

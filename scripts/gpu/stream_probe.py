@@ -9,12 +9,14 @@ block's programs read; a CUDA graph of 20 launches over different parts of the b
 none reads from L2). About 30 s.
 """
 import csv
+import itertools
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from ddbench.timing import bench  # noqa: E402
 from kernels.cuda import Kernel  # noqa: E402
 
 KIB = 1024
@@ -36,23 +38,6 @@ buf = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device=dev)
 sink = torch.zeros(4 * sms, dtype=torch.int32, device=dev)
 
 
-def timed(fn, reps: int) -> float:
-    """us per call of fn(i), i = 0..reps-1, captured in one CUDA graph and replayed 5 times."""
-    fn(0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * reps)
-
-
 rows = []
 print(f"{'kind':9s} {'prog/SM':>7s} {'threads':>7s} {'chunk':>6s} {'stages':>6s} {'size':>6s} {'us':>9s} {'GB/s':>7s} {'GB/s/SM':>8s}")
 for kind, per_sm, threads, defines in CONFIGS:
@@ -64,9 +49,11 @@ for kind, per_sm, threads, defines in CONFIGS:
         total = span * grid
         parts = (1 << 30) // total
 
-        def launch(i, span=span, total=total, parts=parts):
-            kernel(grid, threads, shared, [buf[(i % parts) * total:], span, sink])
-        us = timed(launch, 1 if size == "stream" else 20)
+        turn = itertools.count()
+
+        def launch(span=span, total=total, parts=parts, turn=turn):
+            kernel(grid, threads, shared, [buf[next(turn) % parts * total:], span, sink])
+        us = bench(launch, device=dev, graph=True, graph_ops=1 if size == "stream" else 20, reps=5).median_us
         gbs = total / us / 1e3
         row = {"kind": kind, "programs_per_sm": per_sm, "threads": threads, "chunk": d["CHUNK"] if kind != "ld" else "",
                "stages": d["STAGES"] if kind != "ld" else "", "unroll": d["UNROLL"] if kind == "ld" else "",
