@@ -93,6 +93,7 @@ def cubin(source: str, defines: tuple[tuple[str, int], ...], arch: str) -> bytes
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, log)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
         raise RuntimeError(f"NVRTC could not compile {source} {opts}:\n{log.value.decode()}")
     size = ctypes.c_size_t()
     lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
