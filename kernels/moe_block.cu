@@ -224,7 +224,7 @@ moe_block(const bf16_t* a, const bf16_t* res, const bf16_t* nw, float eps,     /
 {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;                                         // SLOTS x SLOT
-    float* xs = reinterpret_cast<float*>(ring + SLOTS * SLOT);          // [H] fp32: h, then xn
+    float* xs = reinterpret_cast<float*>(ring + SLOTS * SLOT);          // [H] xn (fp32)
     unsigned short* xh = reinterpret_cast<unsigned short*>(xs + H);     // [H] xn (fp16)
     bf16_t* sw2s = reinterpret_cast<bf16_t*>(xh + H);                   // [64, SI]
     __shared__ __align__(8) unsigned long long full[SLOTS], stat[1];    // a slot's piece / the shared w2 landed
@@ -238,7 +238,7 @@ moe_block(const bf16_t* a, const bf16_t* res, const bf16_t* nw, float eps,     /
     // w2 of the k experts (b < NU2); piece q goes to slot q % SLOTS
     const int r0 = b * E / GRID, nr = (b + 1) * E / GRID - r0;
     const int p0 = b * SI / GRID, np = (b + 1) * SI / GRID - p0;
-    const int n_static = nr + 2 * np, n13 = b < NU13 ? P13 : 0;
+    const int n_static = nr + 2 * np, n13 = b < NU13 ? P13 : 0;   // n_static <= SLOTS (config): all issued pre-wait
     const int n_pieces = n_static + n13 + (b < NU2 ? TOPK * P2 : 0);
     const int j13 = b / (NBLK13 * KS), nb13 = b / KS % NBLK13, ks = b % KS;
     int issued = 0;                       // warp 0's count of pieces issued
@@ -352,16 +352,14 @@ moe_block(const bf16_t* a, const bf16_t* res, const bf16_t* nw, float eps,     /
         if (tid < nr) logits[r0 + tid] = d;
     }
     MARK(4);
-    unsigned gen = grid_arrive(bar);               // (its block barrier: the router slots are free)
-    if (warp == 0) pump(nr, false);
+    unsigned gen = grid_arrive(bar);
 
     // ---- barrier 1's wait covers the shared expert's gate/up
     for (int q = nr; q < n_static; q++) landed(q);
     {
         __syncthreads();
-        const float d = rows_dot<2 * PMAX>(ring + (nr % SLOTS) * SLOT, 2 * np, xs, red_rows);
-        // thread 2p holds gate row p, thread 2p + 1 its up row (the ring keeps them in order
-        // as long as the static pieces do not wrap; `config` checks that)
+        const float d = rows_dot<2 * PMAX>(ring + nr * SLOT, 2 * np, xs, red_rows);
+        // thread 2p holds gate row p, thread 2p + 1 its up row
         const float u = __shfl_down_sync(0xffffffffu, d, 1);
         if (tid < 2 * np && tid % 2 == 0) sact[p0 + tid / 2] = round_bf16(silu(round_bf16(d)) * round_bf16(u));
     }

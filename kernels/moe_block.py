@@ -130,7 +130,8 @@ def moe_block(a, res, nw, eps: float, gate, bias, top_k: int, scaling: float, sw
     fp32 `[1, k]`). pdl: launched as a dependent of the kernel before (kernels.pdl's rules).
     times: int64 `[grid, 11]`, filled with each program's clock64 at the kernel's marks (a
     build of the kernel with them; scripts/gpu/moe_block_bench.py)."""
-    cfg = dict(config(*_key(gate, top_k, sw13, w), sm_count(a.device)))
+    key, n_sm = _key(gate, top_k, sw13, w), sm_count(a.device)
+    cfg = dict(_config(key, n_sm) or config(*key, n_sm))   # (config raises why the block does not fit)
     grid = cfg.pop("grid")
     cfg["TIMES"] = int(times is not None)
     h, dev = gate.shape[1], a.device
