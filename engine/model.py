@@ -22,7 +22,7 @@ from engine.parallel import (ColumnParallelLinear, Comm, Linear, LocalComm, Para
                              RowParallelLinear, VocabParallelEmbedding)
 from engine.phases import phase
 from engine.rope import rope_cos_sin, yarn_freqs
-from kernels import fused_ops, moe_block, pdl, skinny
+from kernels import fused_ops, mla_decode, moe_block, pdl, skinny
 from kernels.moe import MarlinMoE, fused_moe, route, uses_gemv
 from kernels.skinny import heads_linear, linear
 
@@ -138,6 +138,7 @@ class MLA(nn.Module):
                                           device, dtype)
         self.wo = RowParallelLinear(nh * cfg.v_head_dim, h, comm, device, dtype)
         self.attend = _attention_fn(attn_backend)
+        self.one_launch = attn_backend == "triton"     # decode: kernels.mla_decode where it fits
 
     def forward(self, qkv, cos, sin, cache: KVCache, prefix_len, visible):
         """qkv = wqkv_a(x) `[B, T, Q+L+Dr]` (the Block fuses the pre-norm into that GEMM)."""
@@ -146,17 +147,22 @@ class MLA(nn.Module):
         nh, dn, dr, dv, lat = cfg.n_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
         # one kernel: q_norm(q latent) -> q_a; kv_norm(kv latent) and rope(k_pe) straight
         # into the cache at prefix_len[b] + j
-        q_a = self.ops.mla_a_post(qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin,
-                                  cache.ckv[self.layer], cache.kpe[self.layer], prefix_len, cfg.norm_eps)
+        ckv, kpe = cache.ckv[self.layer], cache.kpe[self.layer]
+        q_a = self.ops.mla_a_post(qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin, ckv, kpe, prefix_len,
+                                  cfg.norm_eps)
         q = self.ops.rope_linear(q_a, self.wq_b.weight, cos, sin, dn + dr, dn)  # wq_b, rope on the rope dims
         q = q.view(b, t, nh, dn + dr)                                           # [B, T, nh, Dn+Dr]
+        if self.one_launch and mla_decode.fits(q, self.wkv_b.weight, ckv, kpe, prefix_len, visible):
+            o = mla_decode.mla_decode(q, self.wkv_b.weight, ckv, kpe, prefix_len, visible, cfg.softmax_scale,
+                                      pdl=pdl.on(q) > 0)                         # [B, 1, nh, Dv]
+            return self.wo(o.reshape(b, t, nh * dv))
         q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
         wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]
         q_lat = heads_linear(q_nope, wkv_b[:, :dn].transpose(1, 2))            # [B, T, nh, L]
         # attention in the latent space, then each head's value rows of wkv_b (the attention's
         # merge launch does that product at decode sizes)
-        o = self.attend(q_lat, q_pe.to(q_lat.dtype), cache.ckv[self.layer], cache.kpe[self.layer],
-                        prefix_len, visible, cfg.softmax_scale, out_proj=wkv_b[:, dn:])  # [B, T, nh, Dv]
+        o = self.attend(q_lat, q_pe.to(q_lat.dtype), ckv, kpe, prefix_len, visible, cfg.softmax_scale,
+                        out_proj=wkv_b[:, dn:])                                 # [B, T, nh, Dv]
         return self.wo(o.reshape(b, t, nh * dv))                                # [B, T, H]
 
 

@@ -24,6 +24,9 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {   // generic -> s
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {   // 16 bytes global -> shared, L2 only
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
+}
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -139,8 +139,9 @@ class Kernel:
             _check(_driver().cuModuleGetFunction(ctypes.byref(self.fn), module, name.encode()), name)
         self.module, self.name, self.shared = module, name, 0
 
-    def __call__(self, grid: int, threads: int, shared: int, args: list, pdl: bool = False) -> None:
-        """Launch on torch's current stream. args: tensors (passed as pointers), None (a null
+    def __call__(self, grid: int | tuple[int, int], threads: int, shared: int, args: list, pdl: bool = False) -> None:
+        """Launch a grid of `grid` programs ((x, y) for two dimensions) on torch's current
+        stream. args: tensors (passed as pointers), None (a null
         pointer), ints (int32), floats (fp32), ctypes arrays (passed by value: `tensor_map_2d`)."""
         if shared > self.shared:
             _check(_driver().cuFuncSetAttribute(self.fn, _MAX_DYNAMIC_SHARED, shared), self.name)
@@ -150,6 +151,7 @@ class Kernel:
                   if isinstance(a, float) else ctypes.c_int(a) for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         attr = _Attribute(id=_PDL_ATTRIBUTE, value=1)
-        cfg = _Config((grid, 1, 1), (threads, 1, 1), shared, torch.cuda.current_stream().cuda_stream,
+        gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
+        cfg = _Config((gx, gy, 1), (threads, 1, 1), shared, torch.cuda.current_stream().cuda_stream,
                       ctypes.pointer(attr), 1 if pdl else 0)
         _check(_driver().cuLaunchKernelEx(ctypes.byref(cfg), self.fn, params, None), self.name)

@@ -81,9 +81,7 @@ gemv(const uint4* __restrict__ w, const x_t* x, y_t* y, int n, int k, int pdl,
             const unsigned dst = smem_addr(ring + i % STAGES * TILE_VEC);
             for (int v = threadIdx.x; v < TILE_VEC; v += WARPS * 32) {
                 const int r = v / VEC, c = v % VEC;
-                if (r0 + r < n)
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                                 :: "r"(dst + v * 16), "l"(w + (long)(r0 + r) * kv + c0 + c));
+                if (r0 + r < n) cp_async16(dst + v * 16, w + (long)(r0 + r) * kv + c0 + c);
             }
         }
         asm volatile("cp.async.commit_group;");

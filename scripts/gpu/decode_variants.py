@@ -30,7 +30,7 @@ from engine import model as em  # noqa: E402
 from engine.config import preset  # noqa: E402
 from engine.decode import Decoder  # noqa: E402
 from engine.parallel import RowParallelLinear, SimComm  # noqa: E402
-from kernels import moe_gemv, skinny  # noqa: E402
+from kernels import mla_decode, moe_gemv, skinny  # noqa: E402
 
 OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "pdl": [("kernels.pdl", "ENABLED", False)],
@@ -42,6 +42,7 @@ OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "skinny preload": [("kernels.skinny", "PRELOAD", False)],
     "attention merge + value projection": [("kernels.mla_attn", "FUSE_PROJ", False)],
     "cuda gemv for wq_b": [("kernels.skinny", "CUDA_GEMV", frozenset())],
+    "mla decode in one launch": [("kernels.mla_decode", "ENABLED", False)],
 }
 _gemv = importlib.import_module("kernels.moe_triton").TILE_TABLE
 _row0 = _gemv[0]
@@ -139,6 +140,7 @@ ABLATIONS = {  # name -> (model -> [(owner, attribute, stub), ..]); a MoE layer'
     "skip wq_b + rope": lambda m: _skip(em.Ops, "rope_linear"),
     "skip q absorption": lambda m: _skip(em, "heads_linear"),
     "skip attention + value projection": lambda m: [s for blk in m.layers for s in _skip(blk.attn, "attend")],
+    "skip mla decode (one launch)": lambda m: _skip(mla_decode, "mla_decode"),
     "skip wo": _skip_wo,
     "skip router + ffn norm + top-k": lambda m: _skip(skinny, "norm_linear", lambda *a, route=None, **k: route is not None),
     "skip shared expert gate/up": lambda m: _skip(em.Ops, "glu_linear"),
