@@ -22,7 +22,7 @@ from engine.parallel import (ColumnParallelLinear, Comm, Linear, LocalComm, Para
                              RowParallelLinear, VocabParallelEmbedding)
 from engine.phases import phase
 from engine.rope import rope_cos_sin, yarn_freqs
-from kernels import fused_ops, mla_decode, moe_block, pdl, skinny
+from kernels import fused_ops, mla_decode, pdl, skinny
 from kernels.moe import MarlinMoE, fused_moe, route, uses_gemv
 from kernels.skinny import heads_linear, linear
 
@@ -232,13 +232,6 @@ class MoE(nn.Module):
         b, t, h = a.shape
         cfg, experts = self.cfg, self.experts()
         af, res = a.reshape(b * t, h), res.reshape(b * t, h)                  # [N, H]
-        if self.ops.kind == "triton" and self.backend == "triton" and moe_block.fits(
-                af, self.gate, cfg.top_k, self.shared.w13.weight, experts):   # one token: the block in one launch
-            with phase("moe"):
-                y, res, _, _ = moe_block.moe_block(af, res, norm.weight, norm.eps, self.gate, self.bias, cfg.top_k,
-                                                   cfg.routed_scaling, self.shared.w13.weight,
-                                                   self.shared.w2.weight, experts, pdl=pdl.on(af) > 0)
-            return self.comm.all_reduce(y).view(b, t, h), res.view(b, t, h)
         xh = None
         if self.ops.fuses(af, self.gate):
             with phase("moe"):

@@ -2,7 +2,8 @@
 the driver API with ctypes, so they need neither a compiler toolchain nor a torch extension.
 
 Used where a kernel must control its shared memory across the programmatic-dependent-launch
-wait (kernels.gemv), which Triton cannot express. A launch goes on torch's current stream, so
+wait (kernels.gemv, kernels.mla_decode) or share it within a cluster of programs
+(kernels.mla_decode), which Triton cannot express. A launch goes on torch's current stream, so
 it is captured in CUDA graphs like any other kernel; `pdl=True` sets the launch attribute that
 lets it start while the kernel before it still runs (kernels.pdl explains the chain's rules).
 """
@@ -103,29 +104,6 @@ def cubin(source: str, defines: tuple[tuple[str, int], ...], arch: str) -> bytes
     return out.raw
 
 
-_TENSOR_MAP_DTYPE = {torch.uint16: 1, torch.int16: 1, torch.bfloat16: 1, torch.int32: 2}   # CU_TENSOR_MAP_DATA_TYPE_UINT16 / UINT32
-
-
-def tensor_map_2d(t: torch.Tensor, rows: int, cols: int, box_rows: int, box_cols: int) -> ctypes.Array:
-    """A TMA descriptor (CUtensorMap, 128 bytes) of contiguous `t` seen as a row-major
-    `[rows, cols]` matrix of its 2- or 4-byte elements, copied in boxes of `[box_rows,
-    box_cols]` (no swizzle: a box lands in shared memory row-major). Pass it as a kernel
-    argument (a `const __grid_constant__` struct of 128 bytes)."""
-    if t.dtype not in _TENSOR_MAP_DTYPE or not t.is_contiguous() or t.numel() != rows * cols:
-        raise ValueError(f"tensor_map_2d: a contiguous 2/4-byte tensor of {rows} x {cols}, got {tuple(t.shape)} {t.dtype}")
-    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    desc = (ctypes.c_uint64 * 16)()
-    dims, strides = (u64 * 2)(cols, rows), (u64 * 1)(cols * t.element_size())
-    box, step = (u32 * 2)(box_cols, box_rows), (u32 * 2)(1, 1)
-    lib = _driver()
-    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                           ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    _check(lib.cuTensorMapEncodeTiled(desc, _TENSOR_MAP_DTYPE[t.dtype], 2, ctypes.c_void_p(t.data_ptr()), dims,
-                                      strides, box, step, 0, 0, 0, 0), "cuTensorMapEncodeTiled")
-    return desc
-
-
 class Kernel:
     """One `extern "C"` kernel of a .cu file, compiled with `defines`, on one device."""
 
@@ -141,14 +119,13 @@ class Kernel:
 
     def __call__(self, grid: int | tuple[int, int], threads: int, shared: int, args: list, pdl: bool = False) -> None:
         """Launch a grid of `grid` programs ((x, y) for two dimensions) on torch's current
-        stream. args: tensors (passed as pointers), None (a null
-        pointer), ints (int32), floats (fp32), ctypes arrays (passed by value: `tensor_map_2d`)."""
+        stream. args: tensors (passed as pointers), None (a null pointer), ints (int32),
+        floats (fp32)."""
         if shared > self.shared:
             _check(_driver().cuFuncSetAttribute(self.fn, _MAX_DYNAMIC_SHARED, shared), self.name)
             self.shared = shared
         values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_void_p(None)
-                  if a is None else a if isinstance(a, ctypes.Array) else ctypes.c_float(a)
-                  if isinstance(a, float) else ctypes.c_int(a) for a in args]
+                  if a is None else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a) for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         attr = _Attribute(id=_PDL_ATTRIBUTE, value=1)
         gx, gy = grid if isinstance(grid, tuple) else (grid, 1)

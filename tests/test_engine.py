@@ -439,28 +439,3 @@ def test_phase_timer_attributes_nested_and_merged_phases():
         assert 25e3 < us["a"] < 45e3 and 25e3 < us["comm"] < 45e3 and 15e3 < us["b"] < 35e3, us
         assert us.get("other", 0) < 5e3
         assert len(t.marks) == (6 if merge else 8)
-
-
-@pytest.mark.gpu
-def test_gpu_moe_block_in_the_model_matches_the_launch_chain(monkeypatch):
-    """With kernels.moe_block on, the MoE of one token runs as that one launch where the block
-    fits: the same logits as the five-launch path within its roundings, and graph decode ==
-    eager."""
-    from engine.decode import Decoder
-    from kernels import moe_block
-
-    monkeypatch.setattr(moe_block, "ENABLED", True)
-    m = gpu_model(hidden=1024, n_experts=64, moe_inter=128, top_k=8)   # a shape the block fits
-    calls = []
-    launch = moe_block.moe_block
-    monkeypatch.setattr(moe_block, "moe_block", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    gen = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, 1024, (1, 1), generator=gen).cuda()
-    on = run(m, tokens)
-    assert len(calls) == m.cfg.n_layers - m.cfg.n_dense_layers
-    prompts = torch.randint(0, 1024, (1, 5), generator=gen)
-    eager = Decoder(m, 1, 32, use_graph=False).generate(prompts, 6)
-    assert torch.equal(Decoder(m, 1, 32, use_graph=True).generate(prompts, 6), eager)
-    monkeypatch.setattr(moe_block, "ENABLED", False)
-    off = run(m, tokens)
-    assert (on - off).abs().max() < 0.05 * off.abs().max()

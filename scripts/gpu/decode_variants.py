@@ -57,7 +57,6 @@ def _gemv_row0(**change) -> list:
 # the trials in results/h200/decode/decode_trials_*.csv chose; those CSVs name the trials of
 # their day, some of which were the later defaults).
 TRIALS = {  # trial -> [(module, attribute, value), ..]
-    "moe block in one launch": [("kernels.moe_block", "ENABLED", True)],
     "skinny 1 program/SM": [("kernels.skinny", "PROGRAMS_PER_SM", 1)],
     "skinny 3 programs/SM": [("kernels.skinny", "PROGRAMS_PER_SM", 3)],
     "skinny 4 programs/SM": [("kernels.skinny", "PROGRAMS_PER_SM", 4)],
