@@ -145,19 +145,17 @@ class MLA(nn.Module):
         cfg = self.cfg
         b, t, _ = qkv.shape
         nh, dn, dr, dv, lat = cfg.n_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        ckv, kpe = cache.ckv[self.layer], cache.kpe[self.layer]
-        if self.one_launch and mla_decode.fits(qkv, self.wq_b.weight, self.wkv_b.weight, ckv, kpe, cos, prefix_len,
-                                               visible):   # one token: all of it in one launch
-            o = mla_decode.mla_decode(qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin, self.wq_b.weight,
-                                      self.wkv_b.weight, ckv, kpe, prefix_len, visible, cfg.norm_eps,
-                                      cfg.softmax_scale, pdl=pdl.on(qkv) > 0)   # [B, 1, nh, Dv]
-            return self.wo(o.reshape(b, t, nh * dv))
         # one kernel: q_norm(q latent) -> q_a; kv_norm(kv latent) and rope(k_pe) straight
         # into the cache at prefix_len[b] + j
+        ckv, kpe = cache.ckv[self.layer], cache.kpe[self.layer]
         q_a = self.ops.mla_a_post(qkv, self.q_norm.weight, self.kv_norm.weight, cos, sin, ckv, kpe, prefix_len,
                                   cfg.norm_eps)
         q = self.ops.rope_linear(q_a, self.wq_b.weight, cos, sin, dn + dr, dn)  # wq_b, rope on the rope dims
         q = q.view(b, t, nh, dn + dr)                                           # [B, T, nh, Dn+Dr]
+        if self.one_launch and mla_decode.fits(q, self.wkv_b.weight, ckv, kpe, prefix_len, visible):
+            o = mla_decode.mla_decode(q, self.wkv_b.weight, ckv, kpe, prefix_len, visible, cfg.softmax_scale,
+                                      pdl=pdl.on(q) > 0)                         # [B, 1, nh, Dv]
+            return self.wo(o.reshape(b, t, nh * dv))
         q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
         wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]
         q_lat = heads_linear(q_nope, wkv_b[:, :dn].transpose(1, 2))            # [B, T, nh, L]
