@@ -6,7 +6,7 @@ python3 scripts/gpu/decode_variants.py [OUT_DIR] [CONCURRENCY,...] [OPTION,...]:
 with random weights once, prefills 128 tokens, then for each variant re-captures the step
 graph from the same state and times 40 back-to-back replays (after 20 untimed ones). A
 variant sets module attributes (`VARIANTS`); `default` changes none, `all off` all of them (all
-OPTIONS, or those named in the third argument, which may also name TRIALS: `try ..` each).
+OPTIONS, or those named in the third argument, which may also name TRIALS: `try ..` each; `try all`: every trial).
 `same_tokens`: the variant's 20 greedy tokens equal default's (options that change the
 rounding order may flip a token of the random-weight model; informational). Writes
 OUT_DIR/decode_variants.csv. About 2-3 minutes (init, compiles).
@@ -151,10 +151,12 @@ ABLATIONS = {  # name -> (model -> [(owner, attribute, stub), ..]); a MoE layer'
 pick = sys.argv[3].split(",") if len(sys.argv) > 3 else list(OPTIONS)
 if "skip all" in pick:
     pick = [k for k in pick if k != "skip all"] + list(ABLATIONS)
+if "try all" in pick:
+    pick = [k for k in pick if k != "try all"] + list(TRIALS)
 unknown = [k for k in pick if k not in OPTIONS and k not in TRIALS and k not in ABLATIONS]
 if unknown:
     sys.exit(f"unknown option or trial {unknown}: options {list(OPTIONS)}, trials {list(TRIALS)}, "
-             f"ablations {list(ABLATIONS)} ('skip all': each)")
+             f"ablations {list(ABLATIONS)} ('skip all', 'try all': each)")
 present = {k: v for k, v in OPTIONS.items()
            if k in pick and all(hasattr(importlib.import_module(m), a) for m, a, _ in v)}
 for k in set(pick) & OPTIONS.keys() - present.keys():
