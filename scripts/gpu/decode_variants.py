@@ -191,6 +191,16 @@ def apply(chosen: list[str]) -> None:
 
 
 rows = []
+
+
+def save() -> None:
+    """The rows so far to OUT_DIR/decode_variants.csv (after each variant: a run cut short keeps them)."""
+    with open(out / "decode_variants.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 for conc in concs:
     dec = Decoder(model, conc, 256)
     dec.prefill(torch.randint(0, cfg.vocab, (conc, 128), device=dev))
@@ -222,14 +232,11 @@ for conc in concs:
                          step_us_min=round(min(us), 1), step_us_max=round(max(us), 1),
                          same_tokens=bool(torch.equal(toks, ref))))
         print(rows[-1], flush=True)
+        save()
     dec.graph = None
     del dec
     torch.cuda.empty_cache()
 apply([])
-with open(out / "decode_variants.csv", "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
 print(f"\n{'c':>3} {'variant':<26} {'step us':>9} {'min':>8} {'max':>8} same tokens")
 for r in rows:
     print(f"{r['concurrency']:>3} {r['variant']:<26} {r['step_us']:>9.1f} {r['step_us_min']:>8.1f} "
