@@ -89,8 +89,11 @@ class MoeTritonConfig:
 # (results/h200/moe_sweep_tp8_{default,gemv8,gemv16}-20261203-0917.csv), against this file's
 # kernel (m16 join): T=16 365 -> 276 us, 32 597 -> 500, 64 872 -> 705, 128 1032 -> 903, 256
 # 1129 -> 994, 512 1333 -> 1125; 8-row blocks 2-6 % faster than 16 at T = 32-256, slower at
-# 16 and 512 (+7 % against m16 join), so 16 throughout.
+# 16 and 512 (+7 % against m16 join), so 16 throughout. Up to 0.05 per expert (T <= 19 at
+# K2.6: decode at c=1-2) w13 takes 512 columns a program: the c=1 decode step -27 / -26 us in
+# two runs, c=10 +364 us (docs/BENCHMARKS.md decode session 14).
 TILE_TABLE: list[tuple[float, dict]] = [
+    (0.05, dict(gemv=True, block_m=1, block_n13=512, block_n2=256)),
     (0.3, dict(gemv=True, block_m=1, block_n13=256, block_n2=256)),
     (10.7, dict(gemv=True, block_m=16, block_n13=256, block_n2=256)),
     (42.7, dict(block_m=32, block_k13=64, block_k2=64)),

@@ -150,6 +150,7 @@ def test_default_config_blocks_rows_of_a_stream():
     cfg = preset("k2.6", tp=8)
     shape = (cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden)
     assert mt.default_config(9, *shape).block_m == 1
+    assert mt.default_config(1, *shape).block_n13 == 512 and mt.default_config(10, *shape).block_n13 == 256
     tree = mt.default_config(9, *shape, stream_rows=9)
     assert tree.gemv and tree.block_m == mt.STREAM_TILES[0][1] > 1
     for tokens in (16, 90, 512):

@@ -88,6 +88,7 @@ TRIALS = {  # trial -> [(module, attribute, value), ..]
     "attention projection 8 rows": [("kernels.mla_attn", "PROJ_BLOCK_V", 8)],
     "attention projection 32 rows": [("kernels.mla_attn", "PROJ_BLOCK_V", 32)],
     "gemv w13 128 columns": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(block_n13=128))],
+    "gemv w13 256 columns": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(block_n13=256))],
     "gemv w13 512 columns": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(block_n13=512))],
     "gemv w13 512 columns + splits <= 28": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(block_n13=512)),
                                             ("kernels.moe_gemv", "MAX_SPLITS", 28)],
