@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, ticket
+from kernels import moe_w2, pdl, ticket
 from kernels.moe_triton import _block_rows, _scale_col, align_tokens
 
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
@@ -493,7 +493,10 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     h = w.hidden
     ids = topk_ids.reshape(-1).to(torch.int32)
     act = mid if mid.dim() == 2 else half_rows(mid, _flat_weights(topk_weights), mid.shape[0])   # [T*k, I]
-    y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
+    if routing is None and moe_w2.fits(act, w):   # a decode token: its weights loaded before the PDL wait
+        y = moe_w2.moe_w2(act, ids, w, pdl=pdl.on(act) > 0)[None]                                # [1, T*k, H]
+    else:
+        y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
     if not sum_k:
         return y[0]
     out = torch.empty(t, h, dtype=dtype, device=mid.device)

@@ -30,7 +30,7 @@ from engine import model as em  # noqa: E402
 from engine.config import preset  # noqa: E402
 from engine.decode import Decoder  # noqa: E402
 from engine.parallel import RowParallelLinear, SimComm  # noqa: E402
-from kernels import mla_decode, moe_gemv, skinny  # noqa: E402
+from kernels import mla_decode, moe_gemv, moe_w2, skinny  # noqa: E402
 
 OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "pdl": [("kernels.pdl", "ENABLED", False)],
@@ -43,6 +43,7 @@ OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "attention merge + value projection": [("kernels.mla_attn", "FUSE_PROJ", False)],
     "cuda gemv for wq_b": [("kernels.skinny", "CUDA_GEMV", frozenset())],
     "mla decode in one launch": [("kernels.mla_decode", "ENABLED", False)],
+    "moe w2 weights before the wait": [("kernels.moe_w2", "ENABLED", False)],
 }
 _gemv = importlib.import_module("kernels.moe_triton").TILE_TABLE
 _row0 = _gemv[0]
@@ -146,6 +147,7 @@ ABLATIONS = {  # name -> (model -> [(owner, attribute, stub), ..]); a MoE layer'
     "skip shared expert gate/up": lambda m: _skip(em.Ops, "glu_linear"),
     "skip MoE w13 + act": lambda m: _skip(moe_gemv, "gemv_w13"),
     "skip MoE w2": lambda m: _skip(moe_gemv, "gemv_w2"),
+    "skip MoE w2 (CUDA)": lambda m: _skip(moe_w2, "moe_w2"),
     "skip shared expert down + k-sum": lambda m: _skip(em.MLP, "down", lambda *a, add_rows=1, **k: add_rows > 1),
     "skip lm_head": lambda m: _skip(m.head, "forward"),
 }
