@@ -28,11 +28,12 @@ MAX_INTER = 256                 # I: the words of 8 experts' 64 columns, 64 KB a
 
 
 def fits(act: torch.Tensor, w) -> bool:
-    """act fp16 `[n, I]` on a Hopper GPU with n <= MAX_ASSIGN, w (`MarlinMoE`) of I <= MAX_INTER
-    and 64 | H: what `moe_w2` takes."""
+    """act fp16 `[n, I]` on a Hopper GPU with n <= MAX_ASSIGN, w (`MarlinMoE`) of I <= MAX_INTER,
+    at least two scale groups (one group is Marlin's per-channel scale order, which the kernel
+    does not read) and 64 | H: what `moe_w2` takes."""
     return (ENABLED and act.is_cuda and act.dtype == torch.float16 and act.dim() == 2
             and act.shape[0] <= MAX_ASSIGN and act.shape[1] == w.inter <= MAX_INTER and w.inter % 32 == 0
-            and w.group_size % 32 == 0 and w.hidden % 64 == 0 and act.is_contiguous()
+            and w.group_size % 32 == 0 and w.inter // w.group_size >= 2 and w.hidden % 64 == 0 and act.is_contiguous()
             and torch.cuda.get_device_capability(act.device)[0] >= 9)
 
 

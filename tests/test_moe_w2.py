@@ -34,11 +34,17 @@ def _check(y, act, ids, w):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("e,h,inter,n", [(384, 7168, 256, 8), (64, 1024, 128, 5), (32, 512, 32, 1)])
+@pytest.mark.parametrize("e,h,inter,n", [(384, 7168, 256, 8), (64, 1024, 128, 5), (32, 512, 64, 1)])
 def test_gpu_matches_reference(e, h, inter, n):
     act, ids, w = _case(e, h, inter, n, "cuda", seed=inter + n)
     assert moe_w2.fits(act, w)
     _check(moe_w2.moe_w2(act, ids, w, pdl=False), act, ids, w)
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_per_channel_scales():
+    act, ids, w = _case(32, 512, 32, 1, "cuda", seed=1)                  # I = 32: one group
+    assert not moe_w2.fits(act, w)
 
 
 @pytest.mark.gpu
