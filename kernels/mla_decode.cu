@@ -9,8 +9,9 @@
 //     chunk's cached KV rows (positions below prefix_len, written by earlier steps), its LC
 //     columns of the head's key rows W_uk [DN, L] and its VC value rows W_uv [VC, L];
 //  2. after it: the query (the kernel before wrote it) and, in the program whose chunk holds
-//     it, the new token's KV row (written two launches before: the PDL chain lets a kernel in
-//     only once the one before its predecessor has completed);
+//     it, the new token's KV row (mla_a_post wrote it two launches before; it is read after the
+//     wait all the same, since the wq_b GEMV before this kernel, kernels/gemv.cu, lets it in
+//     before its own wait, i.e. possibly while mla_a_post still runs);
 //  3. its q_lat columns (fp32 sums, rounded to bf16 as a stored product), exchanged with
 //     the cluster through distributed shared memory (cluster barrier 1);
 //  4. scores, max and sum over its chunk and its unnormalised output o_c [L] (fp32);

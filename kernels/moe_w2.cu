@@ -2,8 +2,9 @@
 // w2[ids[j]] for its n <= 8 assignments j, INT4 Marlin weights, fp32 rows out.
 //
 // Program b owns the 64 output columns of Marlin block b for every assignment. The expert ids
-// come from the router, two launches back (the w13 GEMV between), so under the PDL chain's
-// rules (kernels/pdl.py) they are final before this kernel's wait: the program issues its
+// come from the router, two launches back, and the w13 GEMV between waits for the router
+// before it lets this kernel in (kernels/pdl.py's rules), so they are final before this
+// kernel's wait: the program issues its
 // words (n x I/16 k-tile rows of 512 bytes) and scales into shared memory with cp.async
 // *before* griddepcontrol.wait, while w13 still runs; after it only the act rows (w13's
 // output) are loaded. Warp j then takes assignment j: lane 4g + t multiplies its word quad of
