@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from kernels import pdl
 from kernels.mla_attn import mla_attention_ref
 
 ENABLED = os.environ.get("DDBENCH_MLA_DECODE", "1") != "0"
@@ -44,7 +45,7 @@ def fits(q: torch.Tensor, wkv_b: torch.Tensor, ckv: torch.Tensor, kpe: torch.Ten
             and ckv.shape[-1] == L and kpe.shape[-1] == DR and prefix_len.dtype == torch.int32
             and visible.shape == (q.shape[0], 1, 1)
             and wkv_b.shape == (q.shape[2] * (DN + DV), L) and ckv.shape[1] <= MAX_POSITIONS
-            and torch.cuda.get_device_capability(q.device)[0] >= 9)
+            and pdl.hopper(q))
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from kernels import marlin
+from kernels import marlin, pdl
 
 ENABLED = os.environ.get("DDBENCH_MOE_W2", "1") != "0"
 THREADS = 256
@@ -34,7 +34,7 @@ def fits(act: torch.Tensor, w) -> bool:
     return (ENABLED and act.is_cuda and act.dtype == torch.float16 and act.dim() == 2
             and act.shape[0] <= MAX_ASSIGN and act.shape[1] == w.inter <= MAX_INTER and w.inter % 32 == 0
             and w.group_size % 32 == 0 and w.inter // w.group_size >= 2 and w.hidden % 64 == 0 and act.is_contiguous()
-            and torch.cuda.get_device_capability(act.device)[0] >= 9)
+            and pdl.hopper(act))
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,10 +37,14 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def hopper(t: torch.Tensor) -> bool:
+    """Whether t is on a CUDA GPU of compute capability 9 or more (cached per device)."""
+    return t.is_cuda and _hopper(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def on(t: torch.Tensor) -> int:
     """The PDL mode of kernels on t's device: 0 unless CUDA, sm_90+ and ENABLED."""
-    if not (ENABLED and t.is_cuda and _hopper(t.device.index if t.device.index is not None else
-                                              torch.cuda.current_device())):
+    if not (ENABLED and hopper(t)):
         return 0
     return 2 if TRIGGER else 1
 

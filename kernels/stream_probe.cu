@@ -38,8 +38,7 @@ stream(const unsigned char* src, int span, unsigned* out)
     auto issue = [&](int c) {
         if (c < chunks)
             for (int v = tid; v < CHUNK / 16; v += THREADS)
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                             :: "r"(smem_addr(ring + (c % STAGES) * CHUNK + 16 * v)), "l"(base + (long)c * CHUNK + 16 * v));
+                cp_async16(smem_addr(ring + (c % STAGES) * CHUNK + 16 * v), base + (long)c * CHUNK + 16 * v);
         asm volatile("cp.async.commit_group;");
     };
     for (int c = 0; c < STAGES; c++) issue(c);

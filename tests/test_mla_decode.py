@@ -34,7 +34,7 @@ def test_reference_is_the_three_step_path():
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
-def test_fits_only_one_token_of_k26_head_dims():
+def test_fits_refuses_cpu_tensors_and_the_launch_says_so():
     p = _inputs(1, 2, 16, [3], "cpu")
     args = [p[k] for k in ("q", "wkv_b", "ckv", "kpe", "prefix_len", "visible")]
     assert not mla_decode.fits(*args)                                   # CPU tensors
