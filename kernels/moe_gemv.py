@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import moe_w2, pdl, ticket
+from kernels import moe_w2, moe_w13, pdl, ticket
 from kernels.moe_triton import _block_rows, _scale_col, align_tokens
 
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
@@ -473,12 +473,15 @@ def gemv_w13(x: torch.Tensor, topk_ids: torch.Tensor, routing, w, cfg, n_sms: in
     """x to fp16 (unless x_half = `half_rows(x)` is given), then w13: -> fp32 gate|up
     partial sums `[S, T*k, 2I]` (S K splits). With topk_weights, where the act can be fused
     (FUSE_ACT, routing None, T*k <= ticket.MAX_COUNTERS): w2's input SiLU(gate)*up*weight,
-    fp16 `[T*k, I]`, from the same launch. `gemv_w2` takes either."""
+    fp16 `[T*k, I]`, from the same launch (from kernels.moe_w13's clusters where that fits: one
+    token). `gemv_w2` takes either."""
     t, k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32)
     blocks = t * k if routing is None else routing[1].numel()
     split = cfg.split_k or gemv_splits(blocks, 2 * w.inter // cfg.block_n13, w.hidden // STEP, n_sms)
     a = half_rows(x) if x_half is None else x_half
+    if topk_weights is not None and routing is None and moe_w13.fits(a, t * k, w):   # a decode token, in clusters
+        return moe_w13.moe_w13(a, ids, _flat_weights(topk_weights), w, pdl=pdl.on(a) > 0)
     fuse = topk_weights is not None and FUSE_ACT and routing is None and t * k <= ticket.MAX_COUNTERS
     return gemv(a, w.w13, w.w13_scale, w.group_size, ids, routing, t * k, k, cfg,
                 cfg.block_n13, split, _flat_weights(topk_weights) if fuse else None)

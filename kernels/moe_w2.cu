@@ -24,21 +24,6 @@
 #define KTI (I / 16)           // k tiles of an expert's w2
 #define GI (I / G)             // scale groups
 
-// One Marlin word times its activations: the fp16 pairs xa = (x[16kt + 2t], x[.. + 1]) and
-// xb = (x[.. + 8], x[.. + 9]) -> fp32 (column lo, column lo + 8), to be scaled.
-__device__ __forceinline__ void word_dot(unsigned w, unsigned xa, unsigned xb, float& lo, float& hi) {
-    asm("{\n.reg .b32 m, s, c, k, b, p0, p1, p2, p3, l, h;\n.reg .f16 u, v;\n"
-        "mov.b32 m, 0x64006400;\nmov.b32 c, 0x64086408;\nmov.b32 k, 0x2c002c00;\nmov.b32 b, 0xd480d480;\n"
-        "shr.u32 s, %2, 8;\n"
-        "lop3.b32 p0, %2, 0x000f000f, m, 0xea;\nlop3.b32 p1, %2, 0x00f000f0, m, 0xea;\n"
-        "lop3.b32 p2, s, 0x000f000f, m, 0xea;\nlop3.b32 p3, s, 0x00f000f0, m, 0xea;\n"
-        "sub.rn.f16x2 p0, p0, c;\nfma.rn.f16x2 p1, p1, k, b;\nsub.rn.f16x2 p2, p2, c;\nfma.rn.f16x2 p3, p3, k, b;\n"
-        "mul.rn.f16x2 l, p0, %3;\nfma.rn.f16x2 l, p1, %4, l;\nmul.rn.f16x2 h, p2, %3;\nfma.rn.f16x2 h, p3, %4, h;\n"
-        "mov.b32 {u, v}, l;\nadd.rn.f16 u, u, v;\ncvt.f32.f16 %0, u;\n"
-        "mov.b32 {u, v}, h;\nadd.rn.f16 u, u, v;\ncvt.f32.f16 %1, u;\n}"
-        : "=f"(lo), "=f"(hi) : "r"(w), "r"(xa), "r"(xb));
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_w2(const unsigned short* act, const int* ids, int n,     // act fp16 [n, I]; expert ids [n]
        const unsigned* w2, const unsigned short* s2,            // Marlin [E, I/16, 2H] words, [E, I/G, H] bf16 scales
