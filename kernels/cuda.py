@@ -123,16 +123,6 @@ class Kernel:
             _check(_driver().cuFuncSetAttribute(self.fn, _MAX_DYNAMIC_SHARED, shared), self.name)
             self.shared = shared
 
-    def max_active_clusters(self, grid: tuple[int, int], threads: int, shared: int) -> int:
-        """How many of this kernel's clusters (its compile-time `__cluster_dims__`) can be
-        resident on the GPU at once with `threads` threads and `shared` bytes a program
-        (cuOccupancyMaxActiveClusters: an empty GPU; a cluster must fit in one GPC)."""
-        self._reserve(shared)
-        n = ctypes.c_int()
-        cfg = _Config((grid[0], grid[1], 1), (threads, 1, 1), shared, None, None, 0)
-        _check(_driver().cuOccupancyMaxActiveClusters(ctypes.byref(n), self.fn, ctypes.byref(cfg)), self.name)
-        return n.value
-
     def __call__(self, grid: int | tuple[int, int], threads: int, shared: int, args: list, pdl: bool = False) -> None:
         """Launch a grid of `grid` programs ((x, y) for two dimensions) on torch's current
         stream. args: tensors (passed as pointers), None (a null pointer), ints (int32),

@@ -2,47 +2,36 @@
 // act[j] = SiLU(x w_gate[ids[j]]) * (x w_up[ids[j]]) * tw[j] for its n assignments j, INT4
 // Marlin weights, fp16 act rows out (what kernels/moe_w2.cu reads).
 //
-// A cluster of CL programs serves one (assignment j, column part hf): program r of it
-// multiplies its share of K (whole scale groups, GT / CL of them rounded down or up) of the
-// part's CB gate and CB up Marlin blocks of 64 columns (gate block hf CB + b pairs with up
-// block I / 64 + hf CB + b: the same act dims).
+// Program (part hf, split r, assignment j) multiplies its share of K (whole scale groups,
+// GT / S of them rounded down or up) of the part's CB gate and CB up Marlin blocks of 64
+// columns (gate block hf CB + b pairs with up block I / 64 + hf CB + b: the same act dims).
 // The expert ids come from the router, the kernel just before, so nothing can be loaded
 // before the PDL wait; after it a program reads its expert id and issues all its words
-// (k tiles x NB blocks of 512 bytes) and scales into shared memory with cp.async at once,
-// in NCH chunks of CH k tiles, and multiplies each chunk as it lands. Warp w takes block
-// w % NB of every (k tile, block) unit: lane 4g + t multiplies its word quad by the x pairs
-// of its K rows (word_dot), scaled per group in fp32. The partial column sums of the CL
-// programs are added through distributed shared memory after a cluster barrier (no K-split
-// partials in global memory, no last-to-arrive ticket): program r finishes the act dims
-// [r D, r D + D) of the half (D = CB 64 / CL rounded up; the last program fewer).
+// (k tiles x NB blocks of 512 bytes, ~126 KB at K2.6 TP-8) and scales into shared memory
+// with cp.async at once, in NCH chunks of CH k tiles, and multiplies each chunk as it lands
+// (the Triton GEMV has a few pipeline stages in flight). Warp w takes block w % NB of every
+// (k tile, block) unit: lane 4g + t multiplies its word quad by the x pairs of its K rows
+// (word_dot), scaled per group in fp32. The program stores its fp32 column sums; the last of
+// the S programs of (hf, j) to arrive (a ticket, as kernels/ticket.py) adds them, split by
+// split, and writes the part's act.
 //
 // Marlin words and scales as kernels/moe_w2.cu says (DESIGN §4).
 //
 // Compile-time: H (hidden, w13's K), I (intermediate dims on this rank), G (group size), CB
-// (gate blocks a program), CL (programs a cluster: K splits), NCH (chunks of k tiles).
+// (gate blocks a program), S (K splits), NCH (chunks of k tiles), PPS (programs an SM: the
+// launch bound, which caps the registers).
 #include "common.cuh"
 
 #define THREADS 512
 #define WARPS (THREADS / 32)
 #define NB (2 * CB)            // Marlin blocks a program: CB gate, CB up
-#define GT (H / G)             // scale groups of K: program r takes the groups [r GT / CL, (r + 1) GT / CL)
-#define GR ((GT + CL - 1) / CL)   // a program's scale groups, at most
+#define GT (H / G)             // scale groups of K: split r takes the groups [r GT / S, (r + 1) GT / S)
+#define GR ((GT + S - 1) / S)  // a program's scale groups, at most
 #define KT (GR * G / 16)       // its k tiles, at most
 #define CH ((KT + NCH - 1) / NCH)     // k tiles a chunk
-#define D ((CB * 64 + CL - 1) / CL)   // act dims a program finishes (the last program fewer)
-static_assert(H % G == 0 && G % 16 == 0 && GT >= CL && NCH <= 8, "K rows must split into groups and chunks");
-static_assert(WARPS % NB == 0 && 2 * CL * D <= THREADS, "thread mappings");
+static_assert(H % G == 0 && G % 16 == 0 && GT >= S && NCH <= 8, "K rows must split into groups and chunks");
+static_assert(WARPS % NB == 0 && NB * 64 <= THREADS, "thread mappings");
 
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ float ld_rank(const float* p, unsigned rank) {   // p in program `rank`'s shared memory
-    unsigned a;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
-    return v;
-}
 __device__ __forceinline__ void wait_pending(int n) {   // cp.async groups: all but the newest n complete
     switch (n) {
         case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
@@ -56,10 +45,11 @@ __device__ __forceinline__ void wait_pending(int n) {   // cp.async groups: all 
     }
 }
 
-extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, PPS)
 moe_w13(const unsigned short* x,                                 // fp16 [H], the token (the router wrote it)
         const int* ids, const float* tw,                         // expert ids, top-k weights [n] (the router's)
         const unsigned* w13, const unsigned short* s13,          // Marlin [E, H/16, 4I] words, [E, H/G, 2I] bf16 scales
+        float* partial, int* count,                              // [n, parts, S, NB * 64] column sums; tickets [n, parts]
         unsigned short* act, int pdl)                            // fp16 [n, I]
 {
     extern __shared__ uint4 sm[];
@@ -68,15 +58,13 @@ moe_w13(const unsigned short* x,                                 // fp16 [H], th
     float (*red)[64] = reinterpret_cast<float (*)[64]>(sm);      // [WARPS][64], then part [NB * 64]: over
     float* part = red[WARPS];                                    // the words, once they are multiplied
     __shared__ unsigned xs[KT * 8];                              // the program's x rows, fp16 pairs
-    __shared__ float gath[2][CL][D];
+    __shared__ int last;
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
-    unsigned r;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    const int hf = blockIdx.x / CL, j = blockIdx.y;
+    const int hf = blockIdx.x / S, r = blockIdx.x % S, j = blockIdx.y, unit = j * (I / 64 / CB) + hf;
     if (pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
     const long e = ld_s32(ids + j);
     auto block = [&](int b) { return b < CB ? hf * CB + b : I / 64 + hf * CB + b - CB; };   // Marlin block of slot b
-    const int g0 = r * GT / CL, ng = (r + 1) * GT / CL - g0;      // the program's groups
+    const int g0 = r * GT / S, ng = (r + 1) * GT / S - g0;        // the program's groups
     const int kt0 = g0 * (G / 16), kts = ng * (G / 16);          // and k tiles
     for (int i = t; i < ng * NB * 8; i += THREADS) {             // group 0: the scales
         const int grp = i / (NB * 8), b = i / 8 % NB;
@@ -122,25 +110,28 @@ moe_w13(const unsigned short* x,                                 // fp16 [H], th
 #pragma unroll
         for (int i = 0; i < 8; i++) red[warp][16 * (i / 2) + g + 8 * (i % 2)] = acc[i];
     __syncthreads();
-    if (t < NB * 64) {                                           // the program's column partials, warps in order
+    float* mine = partial + ((long)unit * S + r) * (NB * 64);
+    if (t < NB * 64) {                                           // the program's column sums, warps in order
         float v = 0.f;
 #pragma unroll
         for (int k = 0; k < WARPS / NB; k++) v += red[t / 64 + k * NB][t % 64];
-        part[t] = v;
+        mine[t] = v;
     }
-    cluster_sync();                                              // 1: every program's partials written
-    const int d0 = r * D, nd = min(D, CB * 64 - d0);             // this program's act dims
-    if (t < 2 * CL * D && t % D < nd) {                          // (gate | up, rank, dim)
-        const int up = t / (CL * D), rank = t / D % CL, d = t % D;
-        gath[up][rank][d] = ld_rank(part + up * CB * 64 + d0 + d, rank);
+    __threadfence();
+    __syncthreads();                                             // every store of the program issued and fenced
+    if (t == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(count + unit) : "memory");
+        last = old == S - 1;
+        if (last) count[unit] = 0;                               // ready for the next launch
     }
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");   // 2: done with remote memory
     __syncthreads();
-    if (t < nd) {
+    if (!last) return;
+    __threadfence();
+    if (t < CB * 64) {                                           // the part's act dims, split by split
+        const float* p = partial + (long)unit * S * (NB * 64);
         float gs = 0.f, us = 0.f;
-#pragma unroll
-        for (int k = 0; k < CL; k++) { gs += gath[0][k][t]; us += gath[1][k][t]; }
-        act[(long)j * I + hf * CB * 64 + d0 + t] = to_f16(gs / (1.f + __expf(-gs)) * us * wj);
+        for (int k = 0; k < S; k++) { gs += ld_f32(p + k * NB * 64 + t); us += ld_f32(p + k * NB * 64 + CB * 64 + t); }
+        act[(long)j * I + hf * CB * 64 + t] = to_f16(gs / (1.f + __expf(-gs)) * us * wj);
     }
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }

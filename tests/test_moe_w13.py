@@ -10,6 +10,7 @@ from kernels import moe_gemv, moe_w2, moe_w13, skinny
 from kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing
 from kernels.moe_triton import MoeTritonConfig
 
+_config = moe_w13.config
 CFG = MoeTritonConfig(gemv=True, block_m=1, block_n13=64, block_n2=64)
 
 
@@ -36,31 +37,26 @@ def test_reference_equals_the_triton_gemv_act():
 
 
 def test_config_at_k26_tp8_and_where_it_refuses():
-    cfg = moe_w13.config(7168, 256, 32, 8, 132, 8, 2)
-    assert cfg == {"H": 7168, "I": 256, "G": 32, "CB": 2, "CL": 8, "NCH": 7}   # 16 clusters of 8 programs
-    assert moe_w13.shared_bytes(cfg) == 56 * 4 * 512 + 28 * 4 * 128             # 126 KB: one program an SM
-    assert moe_w13.grid(cfg, 8) == (16, 8)
-    cfg4 = moe_w13.config(7168, 256, 32, 8, 132, 4, 1)
-    assert cfg4 == {"H": 7168, "I": 256, "G": 32, "CB": 1, "CL": 4, "NCH": 7}  # 32 clusters of 4
-    assert moe_w13.shared_bytes(cfg4) == moe_w13.shared_bytes(cfg) and moe_w13.grid(cfg4, 8) == (16, 8)
-    cfg3 = moe_w13.config(7168, 256, 32, 8, 132, 3, 1)                         # 224 groups: 74, 75, 75 a program
-    assert cfg3 == {"H": 7168, "I": 256, "G": 32, "CB": 1, "CL": 3, "NCH": 8}
-    assert moe_w13.shared_bytes(cfg3) == 150 * 2 * 512 + 75 * 2 * 128 and moe_w13.grid(cfg3, 8) == (12, 8)
-    assert moe_w13.config(7168, 256, 32, 8, 132, 4, 2) is None                 # 256 programs
-    assert moe_w13.config(7168, 256, 32, 80, 132, 8, 2) is None                # ten tokens: too many programs
-    assert moe_w13.config(7168, 256, 32, 8, 132, 2, 1) is None                 # 258 KB a program
-    assert moe_w13.config(7168, 32, 32, 1, 132, 8, 1) is None                  # I not a multiple of 64
-    assert moe_w13.config(256, 64, 256, 1, 132, 1, 1) is None                  # one scale group
+    cfg = moe_w13.config(7168, 256, 32, 8, 132)
+    assert cfg == {"H": 7168, "I": 256, "G": 32, "CB": 1, "S": 4, "NCH": 7, "PPS": 1}   # 8 x 4 parts x 4 splits
+    assert moe_w13.shared_bytes(cfg) == 112 * 2 * 512 + 56 * 2 * 128            # 126 KB: one program an SM
+    assert moe_w13.parts(cfg) == 4
+    uneven = moe_w13.config(7168, 256, 32, 8, 100)                              # 3 splits: 74, 75, 75 groups
+    assert uneven["S"] == 3 and moe_w13.shared_bytes(uneven) == 150 * 2 * 512 + 75 * 2 * 128
+    assert moe_w13.config(7168, 256, 32, 8, 90) is None                         # 207 KB a program at best
+    assert moe_w13.config(1024, 128, 32, 8, 16)["S"] == 1                       # no K split: no ticket wait
+    assert moe_w13.config(7168, 256, 32, 80, 132) is None                       # ten tokens: too many programs
+    assert moe_w13.config(7168, 32, 32, 1, 132) is None                         # I not a multiple of 64
+    assert moe_w13.config(256, 64, 256, 1, 132) is None                         # one scale group
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("clusters", [((8, 2),), ((8, 1),), ((4, 1),), ((3, 1),)])
+@pytest.mark.parametrize("sms", [132, 100])                                # 4, 3 (uneven) splits at K2.6
 @pytest.mark.parametrize("e,h,inter,n", [(384, 7168, 256, 8), (64, 1024, 128, 8), (32, 512, 64, 3)])
-def test_gpu_matches_reference(e, h, inter, n, clusters, monkeypatch):
-    monkeypatch.setattr(moe_w13, "CLUSTERS", clusters)
+def test_gpu_matches_reference(e, h, inter, n, sms, monkeypatch):
+    monkeypatch.setattr(moe_w13, "config", lambda *a: _config(*a[:4], sms))
     x, ids, tw, w = _case(e, h, inter, n, "cuda", seed=inter + n)
-    if not moe_w13.fits(x, n, w):
-        pytest.skip(f"no launch shape {clusters[0]} (cluster, gate blocks) that this GPU holds at once")
+    assert moe_w13.fits(x, n, w)
     act = moe_w13.moe_w13(x, ids, tw, w, pdl=False)
     assert act.shape == (n, inter) and act.dtype == torch.float16 and torch.isfinite(act).all()
     assert _err(act, moe_w13.reference(x, ids, tw, w)) < 3e-3
