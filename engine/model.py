@@ -246,28 +246,26 @@ class MoE(nn.Module):
                 xf, res = norm(af, residual=res)                              # res += a; xf = norm(res)
             with phase("moe"):
                 ids, w = self.ops.route(xf, self.gate, self.bias, cfg.top_k, cfg.routed_scaling)  # [N, k]
+        # with xh (CUDA-core expert path, skinny path) the k expert rows of each token are
+        # summed in the shared expert's down GEMM, not by the MoE's own last launch
+        k_rows = cfg.top_k if xh is not None else 1
         # the shared expert's gate/up GEMM does not depend on the routed experts: on the skinny
-        # path (xh) it runs on a side stream beside them, and its down projection joins the
-        # routed w2 (the MoE sums the k expert rows into it: one launch at one token, else the
-        # shared down GEMM's epilogue; fused_moe's `shared`). Its time then overlaps the "moe"
-        # phase; at 10 rows, cuBLAS path, the step was 5.5 ms slower with it: docs/BENCHMARKS.md
+        # path it runs on a side stream beside them (its time then overlaps the "moe" phase;
+        # at 10 rows, cuBLAS path, the step was 5.5 ms slower with it: docs/BENCHMARKS.md)
         side = self.ops.side_stream(xf) if xh is not None else None
         if side is not None:
-            side.wait_stream(torch.cuda.current_stream(xf.device))
+            main = torch.cuda.current_stream(xf.device)
+            side.wait_stream(main)
             with torch.cuda.stream(side):
                 act = self.shared.gate_up(xf)                                 # [N, I/tp]
-            with phase("moe"):
-                y = fused_moe(xf, ids, w, experts, self.backend, x_half=xh, stream_rows=t,
-                              shared=(act, self.shared.w2.weight, side.record_event()))   # routed + shared [N, H]
-            return self.comm.all_reduce(y).view(b, t, h), res.view(b, t, h)   # [B, T, H] each
-        # with xh the k expert rows of each token are summed in the shared expert's down GEMM,
-        # not by the MoE's own last launch
-        k_rows = cfg.top_k if xh is not None else 1
         with phase("moe"):
             y = fused_moe(xf, ids, w, experts, self.backend, x_half=xh, sum_k=k_rows == 1,
                           stream_rows=t)                                 # [N * k_rows, H]
         with phase("mlp"):
-            act = self.shared.gate_up(xf)
+            if side is None:
+                act = self.shared.gate_up(xf)
+            else:
+                main.wait_stream(side)
             y = self.shared.down(act, reduce=False, add=y, add_rows=k_rows)   # routed + shared [N, H]
         return self.comm.all_reduce(y).view(b, t, h), res.view(b, t, h)       # [B, T, H] each
 

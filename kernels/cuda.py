@@ -117,17 +117,13 @@ class Kernel:
             _check(_driver().cuModuleGetFunction(ctypes.byref(self.fn), module, name.encode()), name)
         self.module, self.name, self.shared = module, name, 0
 
-    def _reserve(self, shared: int) -> None:
-        """Raise the kernel's dynamic shared-memory limit to `shared` bytes if it is below."""
-        if shared > self.shared:
-            _check(_driver().cuFuncSetAttribute(self.fn, _MAX_DYNAMIC_SHARED, shared), self.name)
-            self.shared = shared
-
     def __call__(self, grid: int | tuple[int, int], threads: int, shared: int, args: list, pdl: bool = False) -> None:
         """Launch a grid of `grid` programs ((x, y) for two dimensions) on torch's current
         stream. args: tensors (passed as pointers), None (a null pointer), ints (int32),
         floats (fp32)."""
-        self._reserve(shared)
+        if shared > self.shared:
+            _check(_driver().cuFuncSetAttribute(self.fn, _MAX_DYNAMIC_SHARED, shared), self.name)
+            self.shared = shared
         values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_void_p(None)
                   if a is None else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a) for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])

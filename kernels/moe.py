@@ -59,33 +59,29 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MarlinMoE,
               backend: str = "torch", x_half: torch.Tensor | None = None, sum_k: bool = True,
-              stream_rows: int = 1, shared: tuple | None = None) -> torch.Tensor:
-    """The MoE GEMM; `backend` is 'torch' (reference) or 'triton'. Three options of the
+              stream_rows: int = 1) -> torch.Tensor:
+    """The MoE GEMM; `backend` is 'torch' (reference) or 'triton'. Two options of the
     CUDA-core path only (triton backend where `uses_gemv`; x_half is ignored elsewhere):
     x_half, x already in that path's activation format (`kernels.moe_gemv.half_rows(x)`: fp16),
     saves its first launch; sum_k=False returns the k weighted rows per token, fp32
-    `[T*k, H]` (row t*k + j), for the caller to sum (saves its last launch); shared = (act,
-    w_down, ready): adds the shared expert's down projection act w_down^T (act `[T, Is]`
-    written on another stream, ready a CUDA event recorded there after it, w_down `[H, Is]`)
-    and returns `[T, H]` in act's dtype (`kernels.moe_gemv.gemv_w2`). stream_rows:
+    `[T*k, H]` (row t*k + j), for the caller to sum (saves its last launch). stream_rows:
     tokens a stream in x (the triton backend's tiles: `moe_triton.default_config`)."""
-    gemv = backend == "triton" and uses_gemv(topk_ids.shape[0], topk_ids.shape[1], w, x.device)
-    if not (sum_k and shared is None) and not gemv:
-        raise ValueError("fused_moe(sum_k=False or shared=) needs the triton backend's CUDA-core path (uses_gemv)")
+    if not sum_k and not (backend == "triton" and uses_gemv(topk_ids.shape[0], topk_ids.shape[1], w, x.device)):
+        raise ValueError("fused_moe(sum_k=False) needs the triton backend's CUDA-core path (uses_gemv)")
     if backend == "torch":
         return fused_moe_ref(x, topk_ids, topk_weights, w)
     if backend == "triton":
         from kernels.moe_triton import check_inputs, fused_moe_triton
 
         cfg = _default_config(topk_ids.shape[0], topk_ids.shape[1], w, x.device, stream_rows)
-        if cfg.gemv and (x_half is not None or not sum_k or shared is not None):
+        if cfg.gemv and (x_half is not None or not sum_k):
             from kernels.moe_gemv import fused_moe_gemv
             from kernels.moe_triton import sm_count
 
             check_inputs(x, topk_ids, topk_weights, w, cfg)
             if x_half is not None and (x_half.shape != x.shape or x_half.dtype != torch.float16):
                 raise ValueError(f"x_half must be fp16 {list(x.shape)}, got {x_half.dtype} {tuple(x_half.shape)}")
-            return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device), x_half, sum_k, shared)
+            return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device), x_half, sum_k)
         return fused_moe_triton(x, topk_ids, topk_weights, w, cfg)
     raise ValueError(f"unknown MoE backend {backend!r}; choose torch or triton")
 

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import moe_w2, moe_w13, pdl, skinny, ticket
+from kernels import moe_w2, pdl, ticket
 from kernels.moe_triton import _block_rows, _scale_col, align_tokens
 
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
@@ -55,9 +55,6 @@ MAX_SPLITS = 16
 # compiled, sorted row blocks (block_m > 1): the words go through the tensor cores (`_mma_loop`;
 # False: the packed fp16 loop, as block_m 1 always; read at each call)
 USE_MMA = True
-# a decode token with the shared expert (`gemv_w2(shared=)`): its down projection and the sum over
-# the token's rows in kernels.moe_w2's launch (False: a kernels.skinny launch after it; read at each call)
-SHARED_IN_W2 = True
 
 
 def _dequant_asm(word: str, pairs: tuple[str, str, str, str]) -> str:
@@ -476,42 +473,26 @@ def gemv_w13(x: torch.Tensor, topk_ids: torch.Tensor, routing, w, cfg, n_sms: in
     """x to fp16 (unless x_half = `half_rows(x)` is given), then w13: -> fp32 gate|up
     partial sums `[S, T*k, 2I]` (S K splits). With topk_weights, where the act can be fused
     (FUSE_ACT, routing None, T*k <= ticket.MAX_COUNTERS): w2's input SiLU(gate)*up*weight,
-    fp16 `[T*k, I]`, from the same launch (from kernels.moe_w13's clusters where that fits: one
-    token). `gemv_w2` takes either."""
+    fp16 `[T*k, I]`, from the same launch. `gemv_w2` takes either."""
     t, k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32)
     blocks = t * k if routing is None else routing[1].numel()
     split = cfg.split_k or gemv_splits(blocks, 2 * w.inter // cfg.block_n13, w.hidden // STEP, n_sms)
     a = half_rows(x) if x_half is None else x_half
-    if topk_weights is not None and routing is None and moe_w13.fits(a, t * k, w):   # a decode token, in clusters
-        return moe_w13.moe_w13(a, ids, _flat_weights(topk_weights), w, pdl=pdl.on(a) > 0)
     fuse = topk_weights is not None and FUSE_ACT and routing is None and t * k <= ticket.MAX_COUNTERS
     return gemv(a, w.w13, w.w13_scale, w.group_size, ids, routing, t * k, k, cfg,
                 cfg.block_n13, split, _flat_weights(topk_weights) if fuse else None)
 
 
 def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, routing, w, cfg,
-            dtype: torch.dtype, sum_k: bool = True, shared: tuple | None = None) -> torch.Tensor:
+            dtype: torch.dtype, sum_k: bool = True) -> torch.Tensor:
     """SiLU(gate)*up*weight in fp16 (unless `gemv_w13` fused it: mid is then the act
     `[T*k, I]`, else its partials `[S, T*k, 2I]`), w2, sum over k -> `[T, H]` in dtype;
-    without sum_k the weighted rows fp32 `[T*k, H]` (row t*k + j: slot j of token t).
-    shared = (sact, wsd, ready): the shared expert's act `[T, Is]` (written on another stream;
-    ready: a CUDA event recorded after it there, or None) and down projection `[H, Is]`: returns
-    the routed sum plus sact wsd^T, `[T, H]` in sact's dtype (one launch with w2 where
-    kernels.moe_w2 takes it, else the rows and kernels.skinny's down GEMM summing them)."""
+    without sum_k the weighted rows fp32 `[T*k, H]` (row t*k + j: slot j of token t)."""
     t, k = topk_ids.shape
     h = w.hidden
     ids = topk_ids.reshape(-1).to(torch.int32)
     act = mid if mid.dim() == 2 else half_rows(mid, _flat_weights(topk_weights), mid.shape[0])   # [T*k, I]
-    if shared is not None:
-        sact, wsd, ready = shared
-        one = routing is None and SHARED_IN_W2 and moe_w2.fits(act, w, (sact, wsd))   # a decode token
-        rows = None if one else gemv_w2(act, topk_ids, topk_weights, routing, w, cfg, dtype, sum_k=False)  # [T*k, H]
-        if ready is not None:                                          # the join, just before sact is read
-            torch.cuda.current_stream(act.device).wait_event(ready)
-        if one:
-            return moe_w2.moe_w2(act, ids, w, pdl=pdl.on(act) > 0, shared=(sact, wsd))          # [1, H]
-        return skinny.skinny_linear(sact, wsd, add=rows, add_rows=k)                          # [T, H]
     if routing is None and moe_w2.fits(act, w):   # a decode token: its weights loaded before the PDL wait
         y = moe_w2.moe_w2(act, ids, w, pdl=pdl.on(act) > 0)[None]                                # [1, T*k, H]
     else:
@@ -526,12 +507,10 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg,
-                   n_sms: int = 132, x_half: torch.Tensor | None = None, sum_k: bool = True,
-                   shared: tuple | None = None) -> torch.Tensor:
+                   n_sms: int = 132, x_half: torch.Tensor | None = None, sum_k: bool = True) -> torch.Tensor:
     """x `[T, H]`, routing `[T, k]`, `MarlinMoE` -> `[T, H]` in x's dtype, on the CUDA cores.
     x_half: `half_rows(x)` if the caller already has it (kernels.skinny.norm_linear writes it).
     sum_k False: the k weighted rows per token, fp32 `[T*k, H]`, for the caller to sum.
-    shared: the shared expert's (act, down projection, ready event), added in (`gemv_w2`).
 
     cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting, act fused into w13
     when FUSE_ACT), block_n13, block_n2 (multiples of 64), split_k (0: `gemv_splits`),
@@ -539,4 +518,4 @@ def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     """
     routing = gemv_routing(topk_ids, w, cfg)
     mid = gemv_w13(x, topk_ids, routing, w, cfg, n_sms, x_half, topk_weights)
-    return gemv_w2(mid, topk_ids, topk_weights, routing, w, cfg, x.dtype, sum_k=sum_k, shared=shared)
+    return gemv_w2(mid, topk_ids, topk_weights, routing, w, cfg, x.dtype, sum_k=sum_k)

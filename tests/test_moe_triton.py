@@ -86,8 +86,7 @@ def test_gemv_half_rows():
 @pytest.mark.parametrize("seed", [1, 2])
 def test_fused_moe_gemv_options_x_half_and_rows(seed):
     """fused_moe's CUDA-core options: a pre-permuted x (as the fused router GEMM writes it) and
-    the unsummed k rows give the default call's result, `shared` adds the shared expert's down
-    projection to their sum; sum_k=False or shared off that path is an error."""
+    the unsummed k rows give the default call's result; sum_k=False off that path is an error."""
     from kernels.moe import fused_moe, uses_gemv
     from kernels.moe_gemv import half_rows
 
@@ -104,15 +103,6 @@ def test_fused_moe_gemv_options_x_half_and_rows(seed):
     torch.testing.assert_close(rows.view(tokens, cfg.top_k, -1).sum(1).to(x.dtype), want, atol=2e-3, rtol=2e-3)
     with pytest.raises(ValueError, match="sum_k"):
         fused_moe(x, ids, tw, w, "torch", sum_k=False)
-    # shared: the shared expert's down projection added (off one-token CUDA: the skinny GEMM over the rows)
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    sact = torch.randn(tokens, 32, generator=g, device=DEV, dtype=x.dtype)
-    wsd = (torch.randn(cfg.hidden, 32, generator=g, device=DEV) / 8).to(x.dtype)
-    both = fused_moe(x, ids, tw, w, "triton", x_half=half_rows(x), shared=(sact, wsd, None))
-    torch.testing.assert_close(both.float(), rows.view(tokens, cfg.top_k, -1).sum(1) + sact.float() @ wsd.float().T,
-                               atol=3e-3, rtol=3e-3)
-    with pytest.raises(ValueError, match="shared"):
-        fused_moe(x, ids, tw, w, "torch", shared=(sact, wsd, None))
 
 
 def _counters_zero(x: torch.Tensor) -> bool:

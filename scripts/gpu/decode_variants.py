@@ -30,7 +30,7 @@ from engine import model as em  # noqa: E402
 from engine.config import preset  # noqa: E402
 from engine.decode import Decoder  # noqa: E402
 from engine.parallel import RowParallelLinear, SimComm  # noqa: E402
-from kernels import mla_decode, moe_gemv, moe_w2, moe_w13, skinny  # noqa: E402
+from kernels import mla_decode, moe_gemv, moe_w2, skinny  # noqa: E402
 
 OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "pdl": [("kernels.pdl", "ENABLED", False)],
@@ -44,8 +44,6 @@ OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "cuda gemv for wq_b": [("kernels.skinny", "CUDA_GEMV", frozenset())],
     "mla decode in one launch": [("kernels.mla_decode", "ENABLED", False)],
     "moe w2 weights before the wait": [("kernels.moe_w2", "ENABLED", False)],
-    "moe w13 in cuda": [("kernels.moe_w13", "ENABLED", False)],
-    "shared down in moe w2": [("kernels.moe_gemv", "SHARED_IN_W2", False)],
 }
 _gemv = importlib.import_module("kernels.moe_triton").TILE_TABLE
 _row0 = _gemv[0]
@@ -88,7 +86,6 @@ TRIALS = {  # trial -> [(module, attribute, value), ..]
                                               frozenset({"rope", "linear", "add", "norm"}))],
     "cuda gemv norm": [("kernels.skinny", "CUDA_GEMV", frozenset({"norm"}))],
     "skinny up to 16 rows": [("kernels.skinny", "MAX_ROWS", 16)],
-    "moe w13 cuda 2 programs/SM": [("kernels.moe_w13", "PROGRAMS_PER_SM", 2)],
     "gemv 4 stages": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_stages=4))],
     "gemv 6 stages": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_stages=6))],
     "gemv 2 warps": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_warps=2))],
@@ -156,9 +153,8 @@ ABLATIONS = {  # name -> (model -> [(owner, attribute, stub), ..]); a MoE layer'
     "skip router + ffn norm + top-k": lambda m: _skip(skinny, "norm_linear", lambda *a, route=None, **k: route is not None),
     "skip shared expert gate/up": lambda m: _skip(em.Ops, "glu_linear"),
     "skip MoE w13 + act": lambda m: _skip(moe_gemv, "gemv_w13"),
-    "skip MoE w13 + act (CUDA)": lambda m: _skip(moe_w13, "moe_w13"),
     "skip MoE w2": lambda m: _skip(moe_gemv, "gemv_w2"),
-    "skip MoE w2 (CUDA)": lambda m: _skip(moe_w2, "moe_w2"),   # with the shared down where that is in it
+    "skip MoE w2 (CUDA)": lambda m: _skip(moe_w2, "moe_w2"),
     "skip shared expert down + k-sum": lambda m: _skip(em.MLP, "down", lambda *a, add_rows=1, **k: add_rows > 1),
     "skip lm_head": lambda m: _skip(m.head, "forward"),
 }
