@@ -140,10 +140,8 @@ class MLA(nn.Module):
         self.attend = _attention_fn(attn_backend)
         self.one_launch = attn_backend == "triton"     # decode: kernels.mla_decode where it fits
 
-    def forward(self, qkv, cos, sin, cache: KVCache, prefix_len, visible, after=()):
-        """qkv = wqkv_a(x) `[B, T, Q+L+Dr]` (the Block fuses the pre-norm into that GEMM).
-        after: weights of the launches after the attention's (beside wo), which the one-launch
-        decode attention may pull into L2 (kernels.mla_decode.L2_PREFETCH_BYTES)."""
+    def forward(self, qkv, cos, sin, cache: KVCache, prefix_len, visible):
+        """qkv = wqkv_a(x) `[B, T, Q+L+Dr]` (the Block fuses the pre-norm into that GEMM)."""
         cfg = self.cfg
         b, t, _ = qkv.shape
         nh, dn, dr, dv, lat = cfg.n_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -156,7 +154,7 @@ class MLA(nn.Module):
         q = q.view(b, t, nh, dn + dr)                                           # [B, T, nh, Dn+Dr]
         if self.one_launch and mla_decode.fits(q, self.wkv_b.weight, ckv, kpe, prefix_len, visible):
             o = mla_decode.mla_decode(q, self.wkv_b.weight, ckv, kpe, prefix_len, visible, cfg.softmax_scale,
-                                      pdl=pdl.on(q) > 0, prefetch=(self.wo.weight, *after))  # [B, 1, nh, Dv]
+                                      pdl=pdl.on(q) > 0)                         # [B, 1, nh, Dv]
             return self.wo(o.reshape(b, t, nh * dv))
         q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
         wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]
@@ -226,13 +224,11 @@ class MoE(nn.Module):
     def experts(self) -> MarlinMoE:
         return MarlinMoE(self.w13, self.w13_scale, self.w2, self.w2_scale, self.cfg.group_size)
 
-    def forward(self, a, res, norm: RMSNorm, after=()):
+    def forward(self, a, res, norm: RMSNorm):
         """-> (moe(norm(res + a)), res + a). Where the ops fuse it, the norm rides in the
         router's gate GEMM, which also writes the normed x and, for the CUDA-core expert path, its
         fp16 copy, that path's input (saves its cast launch) and, with skinny.FUSE_ROUTE,
-        routes the tokens in its last program (saves the route launch). after: weights of the
-        launches after the MoE's, which the decode-token w2 may pull into L2
-        (kernels.moe_w2.L2_PREFETCH_BYTES)."""
+        routes the tokens in its last program (saves the route launch)."""
         b, t, h = a.shape
         cfg, experts = self.cfg, self.experts()
         af, res = a.reshape(b * t, h), res.reshape(b * t, h)                  # [N, H]
@@ -264,7 +260,7 @@ class MoE(nn.Module):
                 act = self.shared.gate_up(xf)                                 # [N, I/tp]
         with phase("moe"):
             y = fused_moe(xf, ids, w, experts, self.backend, x_half=xh, sum_k=k_rows == 1,
-                          stream_rows=t, prefetch=after)                 # [N * k_rows, H]
+                          stream_rows=t)                                 # [N * k_rows, H]
         with phase("mlp"):
             if side is None:
                 act = self.shared.gate_up(xf)
@@ -293,20 +289,18 @@ class Block(nn.Module):
         self.ffn = (MLP(cfg.hidden, cfg.dense_inter, comm, ops, device, dtype) if self.dense
                     else MoE(cfg, comm, moe_backend, ops, device, dtype))
 
-    def forward(self, h, delta, cos, sin, cache, prefix_len, visible, after=()):
+    def forward(self, h, delta, cos, sin, cache, prefix_len, visible):
         """-> (h + delta + attn output, ffn output): the residual stream after this block
-        is the sum of the two. Each norm rides in the GEMM after it where the ops fuse it.
-        after: weights of the next block's first launch (L2 prefetch, see MoE.forward)."""
+        is the sum of the two. Each norm rides in the GEMM after it where the ops fuse it."""
         with phase("attention"):
             x, res = (delta, h) if delta is not None else (h, None)
             qkv, h = self.ops.norm_linear(self.attn_norm, x, res, self.attn.wqkv_a.weight)  # h += delta
-            a = self.attn(qkv, cos, sin, cache, prefix_len, visible,
-                          after=(self.ffn.w13.weight if self.dense else self.ffn.gate,))
+            a = self.attn(qkv, cos, sin, cache, prefix_len, visible)
         if self.dense:
             with phase("mlp"):
                 y, h = self.ffn.forward_normed(a, h, self.ffn_norm)             # h += a
             return h, y
-        y, h = self.ffn(a, h, self.ffn_norm, after)                             # h += a
+        y, h = self.ffn(a, h, self.ffn_norm)                                    # h += a
         return h, y
 
 
@@ -361,8 +355,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(positions, self.freqs)                         # [B, T, Dr/2] each
         keep = {}
         for i, layer in enumerate(self.layers):
-            nxt = (self.layers[i + 1].attn.wqkv_a.weight,) if i + 1 < len(self.layers) else ()
-            h, delta = layer(h, delta, cos, sin, cache, prefix_len, visible, nxt)
+            h, delta = layer(h, delta, cos, sin, cache, prefix_len, visible)
             if i in hidden_layers:
                 keep[i] = h + delta
         hiddens = torch.stack([keep[i] for i in hidden_layers], dim=2) if hidden_layers else None  # [B, T, n, H]

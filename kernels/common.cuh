@@ -67,14 +67,3 @@ __device__ __forceinline__ void word_dot(unsigned w, unsigned xa, unsigned xb, f
         "mov.b32 {u, v}, h;\nadd.rn.f16 u, u, v;\ncvt.f32.f16 %1, u;\n}"
         : "=f"(lo), "=f"(hi) : "r"(w), "r"(xa), "r"(xb));
 }
-// L2 prefetch of this program's share of the `bytes` bytes at p (16-byte aligned), for a later
-// launch that reads them: one piece a warp of the grid (whole 16-byte units), issued by its lane 0
-// as one bulk prefetch (cp.async.bulk.prefetch.L2: no registers, no completion to wait for).
-__device__ __forceinline__ void l2_prefetch(const void* p, int bytes, long program, long programs) {
-    if (threadIdx.x % 32 || bytes < 16) return;
-    const long warps = blockDim.x / 32, parts = programs * warps, part = program * warps + threadIdx.x / 32;
-    const long units = bytes / 16, u0 = units * part / parts, u1 = units * (part + 1) / parts;
-    if (u1 > u0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                     :: "l"(static_cast<const char*>(p) + 16 * u0), "r"((unsigned)(16 * (u1 - u0))) : "memory");
-}

@@ -18,8 +18,7 @@
 //  5. after cluster barrier 2 each program merges the CL partials (remote shared memory)
 //     into the head's output o [L], rounded to bf16, and multiplies its VC value rows.
 // Barrier 3 (arrive after the remote reads, wait before exit) keeps every program's shared
-// memory alive until the cluster has read it. Right after the wait the programs also pull up to
-// two regions of later launches' weights into L2 (kernels/l2.py), while the DRAM is idle here.
+// memory alive until the cluster has read it.
 //
 // Compile-time: MAXP, the positions a program holds (the cache capacity / CL, rounded up).
 #include "common.cuh"
@@ -67,8 +66,7 @@ mla_decode(const unsigned short* q, int s_qb,                     // [B, NH, DN 
            const unsigned short* kpe, int s_kb,                    // [B, S, DR], stream stride
            const int* plen, const unsigned char* vis, int s_vb,    // [B]; [B, 1, 1] (the token sees itself?)
            unsigned short* out,                                      // [B, NH, DV]
-           float scale, int pdl,                                     // softmax scale * log2(e)
-           const void* pf0, int n0, const void* pf1, int n1)         // L2 prefetch: regions, bytes
+           float scale, int pdl)                                     // softmax scale * log2(e)
 {
     extern __shared__ uint4 dyn[];
     unsigned short* kv = reinterpret_cast<unsigned short*>(dyn);       // [MAXP, ROW]
@@ -101,9 +99,6 @@ mla_decode(const unsigned short* q, int s_qb,                     // [B, NH, DN 
         asm volatile("griddepcontrol.wait;" ::: "memory");
         asm volatile("griddepcontrol.launch_dependents;");
     }
-    const long prog = (long)blockIdx.y * gridDim.x + blockIdx.x, progs = (long)gridDim.x * gridDim.y;
-    l2_prefetch(pf0, n0, prog, progs);
-    l2_prefetch(pf1, n1, prog, progs);
     // 2. the new token's row, the query
     if (cached >= p0 && cached < p1 && t < ROW / 8) load_row(cached - p0, t);
     asm volatile("cp.async.commit_group;");

@@ -20,15 +20,13 @@ import os
 
 import torch
 
-from kernels import l2, pdl
+from kernels import pdl
 from kernels.mla_attn import mla_attention_ref
 
 ENABLED = os.environ.get("DDBENCH_MLA_DECODE", "1") != "0"
 # streams a call may have (read at each call): at one stream the c=1 step was 356 us faster
 # than with the three launches, at ten 809 us slower (H200, docs/BENCHMARKS.md decode session 14)
 MAX_STREAMS = 1
-# bytes of the `prefetch` tensors (the weights of the launches after it) pulled into L2 (read at each call)
-L2_PREFETCH_BYTES = 0
 CLUSTER, THREADS = 8, 256                       # as kernels/mla_decode.cu
 L, DR, DN, DV = 512, 64, 128, 128               # latent, rope, no-rope query, value dims a head
 MAX_ROWS = 64                                   # KV rows a program holds in shared memory
@@ -57,16 +55,14 @@ def _kernel(rows: int, device: torch.device):
 
 
 def mla_decode(q: torch.Tensor, wkv_b: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
-               prefix_len: torch.Tensor, visible: torch.Tensor, scale: float, pdl: bool = True,
-               prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+               prefix_len: torch.Tensor, visible: torch.Tensor, scale: float, pdl: bool = True) -> torch.Tensor:
     """Attention output after each head's value projection, `[B, 1, NH, DV]` bf16, as `reference`.
 
     q `[B, 1, NH, DN + DR]` (no-rope then roped dims of each head, as wq_b writes them), wkv_b
     `[NH * (DN + DV), L]` (each head's DN key rows then DV value rows), ckv `[B, S, L]` and kpe
     `[B, S, DR]` (rows contiguous) with the new token's row already at prefix_len[b], prefix_len
     int32 `[B]`, visible bool `[B, 1, 1]`. pdl: launched as a dependent of the kernel before
-    (kernels.pdl); its cached rows and weights are read before the wait. prefetch: weights of
-    later launches, whose first L2_PREFETCH_BYTES bytes it pulls into L2 (`kernels.l2`)."""
+    (kernels.pdl); its cached rows and weights are read before the wait."""
     if not fits(q, wkv_b, ckv, kpe, prefix_len, visible):
         raise ValueError(f"mla_decode does not take q {tuple(q.shape)} {q.dtype}, wkv_b {tuple(wkv_b.shape)}, "
                          f"cache {tuple(ckv.shape)}, prefix_len {prefix_len.dtype}, visible {tuple(visible.shape)} "
@@ -82,8 +78,7 @@ def mla_decode(q: torch.Tensor, wkv_b: torch.Tensor, ckv: torch.Tensor, kpe: tor
     vis = visible.view(torch.uint8)
     _kernel(rows, q.device)((CLUSTER * nh, b), THREADS, shared,
                             [q, q.stride(0), wkv_b, ckv, ckv.stride(0), kpe, kpe.stride(0), prefix_len, vis,
-                             vis.stride(0), out, float(scale * LOG2E), int(pdl),
-                             *l2.regions(prefetch, L2_PREFETCH_BYTES)], pdl=pdl)
+                             vis.stride(0), out, float(scale * LOG2E), int(pdl)], pdl=pdl)
     return out
 
 

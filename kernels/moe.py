@@ -59,14 +59,13 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MarlinMoE,
               backend: str = "torch", x_half: torch.Tensor | None = None, sum_k: bool = True,
-              stream_rows: int = 1, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+              stream_rows: int = 1) -> torch.Tensor:
     """The MoE GEMM; `backend` is 'torch' (reference) or 'triton'. Two options of the
     CUDA-core path only (triton backend where `uses_gemv`; x_half is ignored elsewhere):
     x_half, x already in that path's activation format (`kernels.moe_gemv.half_rows(x)`: fp16),
     saves its first launch; sum_k=False returns the k weighted rows per token, fp32
     `[T*k, H]` (row t*k + j), for the caller to sum (saves its last launch). stream_rows:
-    tokens a stream in x (the triton backend's tiles: `moe_triton.default_config`). prefetch:
-    weights of later launches that the decode-token w2 may pull into L2 (kernels.moe_w2)."""
+    tokens a stream in x (the triton backend's tiles: `moe_triton.default_config`)."""
     if not sum_k and not (backend == "triton" and uses_gemv(topk_ids.shape[0], topk_ids.shape[1], w, x.device)):
         raise ValueError("fused_moe(sum_k=False) needs the triton backend's CUDA-core path (uses_gemv)")
     if backend == "torch":
@@ -82,7 +81,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
             check_inputs(x, topk_ids, topk_weights, w, cfg)
             if x_half is not None and (x_half.shape != x.shape or x_half.dtype != torch.float16):
                 raise ValueError(f"x_half must be fp16 {list(x.shape)}, got {x_half.dtype} {tuple(x_half.shape)}")
-            return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device), x_half, sum_k, prefetch)
+            return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device), x_half, sum_k)
         return fused_moe_triton(x, topk_ids, topk_weights, w, cfg)
     raise ValueError(f"unknown MoE backend {backend!r}; choose torch or triton")
 

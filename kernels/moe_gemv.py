@@ -485,17 +485,16 @@ def gemv_w13(x: torch.Tensor, topk_ids: torch.Tensor, routing, w, cfg, n_sms: in
 
 
 def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, routing, w, cfg,
-            dtype: torch.dtype, sum_k: bool = True, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+            dtype: torch.dtype, sum_k: bool = True) -> torch.Tensor:
     """SiLU(gate)*up*weight in fp16 (unless `gemv_w13` fused it: mid is then the act
     `[T*k, I]`, else its partials `[S, T*k, 2I]`), w2, sum over k -> `[T, H]` in dtype;
-    without sum_k the weighted rows fp32 `[T*k, H]` (row t*k + j: slot j of token t).
-    prefetch: weights of later launches that kernels.moe_w2 may pull into L2."""
+    without sum_k the weighted rows fp32 `[T*k, H]` (row t*k + j: slot j of token t)."""
     t, k = topk_ids.shape
     h = w.hidden
     ids = topk_ids.reshape(-1).to(torch.int32)
     act = mid if mid.dim() == 2 else half_rows(mid, _flat_weights(topk_weights), mid.shape[0])   # [T*k, I]
     if routing is None and moe_w2.fits(act, w):   # a decode token: its weights loaded before the PDL wait
-        y = moe_w2.moe_w2(act, ids, w, pdl=pdl.on(act) > 0, prefetch=prefetch)[None]                                # [1, T*k, H]
+        y = moe_w2.moe_w2(act, ids, w, pdl=pdl.on(act) > 0)[None]                                # [1, T*k, H]
     else:
         y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
     if not sum_k:
@@ -508,12 +507,10 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w, cfg,
-                   n_sms: int = 132, x_half: torch.Tensor | None = None, sum_k: bool = True,
-                   prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+                   n_sms: int = 132, x_half: torch.Tensor | None = None, sum_k: bool = True) -> torch.Tensor:
     """x `[T, H]`, routing `[T, k]`, `MarlinMoE` -> `[T, H]` in x's dtype, on the CUDA cores.
     x_half: `half_rows(x)` if the caller already has it (kernels.skinny.norm_linear writes it).
     sum_k False: the k weighted rows per token, fp32 `[T*k, H]`, for the caller to sum.
-    prefetch: weights of later launches (`gemv_w2`).
 
     cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting, act fused into w13
     when FUSE_ACT), block_n13, block_n2 (multiples of 64), split_k (0: `gemv_splits`),
@@ -521,4 +518,4 @@ def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     """
     routing = gemv_routing(topk_ids, w, cfg)
     mid = gemv_w13(x, topk_ids, routing, w, cfg, n_sms, x_half, topk_weights)
-    return gemv_w2(mid, topk_ids, topk_weights, routing, w, cfg, x.dtype, sum_k=sum_k, prefetch=prefetch)
+    return gemv_w2(mid, topk_ids, topk_weights, routing, w, cfg, x.dtype, sum_k=sum_k)

@@ -7,8 +7,7 @@
 // kernel's wait: the program issues its
 // words (n x I/16 k-tile rows of 512 bytes) and scales into shared memory with cp.async
 // *before* griddepcontrol.wait, while w13 still runs; after it only the act rows (w13's
-// output) are loaded, and the programs pull up to two regions of later launches' weights into
-// L2 (kernels/l2.py) while the DRAM is idle here. Warp j then takes assignment j: lane 4g + t multiplies its word quad of
+// output) are loaded. Warp j then takes assignment j: lane 4g + t multiplies its word quad of
 // each k tile by the act pairs of its k rows (packed fp16, as kernels/moe_gemv.py explains),
 // scaled per group in fp32, summed over the k tiles and over the lanes t.
 //
@@ -28,8 +27,7 @@
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_w2(const unsigned short* act, const int* ids, int n,     // act fp16 [n, I]; expert ids [n]
        const unsigned* w2, const unsigned short* s2,            // Marlin [E, I/16, 2H] words, [E, I/G, H] bf16 scales
-       float* y, int h, int pdl,                                 // y fp32 [n, H]
-       const void* pf0, int n0, const void* pf1, int n1)        // L2 prefetch: regions, bytes
+       float* y, int h, int pdl)                                 // y fp32 [n, H]
 {
     extern __shared__ uint4 sm[];
     uint4* words = sm;                                           // [n][KTI][32 lanes]
@@ -51,8 +49,6 @@ moe_w2(const unsigned short* act, const int* ids, int n,     // act fp16 [n, I];
         asm volatile("griddepcontrol.wait;" ::: "memory");
         asm volatile("griddepcontrol.launch_dependents;");
     }
-    l2_prefetch(pf0, n0, b, gridDim.x);
-    l2_prefetch(pf1, n1, b, gridDim.x);
     for (int i = t; i < n * I / 8; i += THREADS) reinterpret_cast<uint4*>(acts)[i] = ld_v4(act + i * 8);   // w13 wrote them
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();

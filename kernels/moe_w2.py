@@ -19,14 +19,12 @@ import os
 
 import torch
 
-from kernels import l2, marlin, pdl
+from kernels import marlin, pdl
 
 ENABLED = os.environ.get("DDBENCH_MOE_W2", "1") != "0"
 THREADS = 256
 MAX_ASSIGN = THREADS // 32      # one warp an assignment (kernels/moe_w2.cu)
 MAX_INTER = 256                 # I: the words of 8 experts' 64 columns, 64 KB at 256, fit shared memory
-# bytes of the `prefetch` tensors (the weights of the launches after it) pulled into L2 (read at each call)
-L2_PREFETCH_BYTES = 0
 
 
 def fits(act: torch.Tensor, w) -> bool:
@@ -45,12 +43,10 @@ def _kernel(inter: int, group: int, device: torch.device):
     return Kernel("moe_w2.cu", "moe_w2", {"I": inter, "G": group}, device)
 
 
-def moe_w2(act: torch.Tensor, ids: torch.Tensor, w, pdl: bool = True, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+def moe_w2(act: torch.Tensor, ids: torch.Tensor, w, pdl: bool = True) -> torch.Tensor:
     """y fp32 `[n, H]`: row j = act[j] (fp16 `[n, I]`) times expert ids[j]'s w2 (int32 `[n]`),
     as `reference`. pdl: launched as a dependent of the kernel before (kernels.pdl); the ids
-    are read before the wait, so they must come from a kernel at least two launches back.
-    prefetch: weights of later launches, whose first L2_PREFETCH_BYTES bytes it pulls into L2
-    after its wait (`kernels.l2`)."""
+    are read before the wait, so they must come from a kernel at least two launches back."""
     if not fits(act, w):
         raise ValueError(f"moe_w2 does not take act {tuple(act.shape)} {act.dtype} with experts of I = {w.inter}, "
                          f"H = {w.hidden}, group {w.group_size} (kernels.moe_w2.fits)")
@@ -61,8 +57,7 @@ def moe_w2(act: torch.Tensor, ids: torch.Tensor, w, pdl: bool = True, prefetch: 
     y = torch.empty(n, h, dtype=torch.float32, device=act.device)
     shared = MAX_ASSIGN * (inter // 16 * 32 + inter // w.group_size * 8) * 16
     _kernel(inter, w.group_size, act.device)(h // 64, THREADS, shared,
-                                             [act, ids, n, w.w2, w.w2_scale, y, h, int(pdl),
-                                              *l2.regions(prefetch, L2_PREFETCH_BYTES)], pdl=pdl)
+                                             [act, ids, n, w.w2, w.w2_scale, y, h, int(pdl)], pdl=pdl)
     return y
 
 

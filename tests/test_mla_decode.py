@@ -61,21 +61,6 @@ def test_gpu_matches_reference(b, nh, s, plens, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_l2_prefetch_of_later_weights_changes_nothing(monkeypatch):
-    """With L2_PREFETCH_BYTES the programs pull two regions into L2 (one cut short by the
-    budget, one skipped as a view that is not contiguous): the output is bit-identical."""
-    p = _inputs(2, 8, 256, [3, 200], "cuda", seed=4)
-    monkeypatch.setattr(mla_decode, "MAX_STREAMS", 2)
-    plain = mla_decode.mla_decode(**p, pdl=False)
-    later = (torch.randn(7168, 1024, device="cuda").bfloat16(), torch.randn(64, 64, device="cuda")[:, :32],
-             torch.randn(384, 7168, device="cuda").bfloat16())
-    monkeypatch.setattr(mla_decode, "L2_PREFETCH_BYTES", 20 << 20)
-    got = mla_decode.mla_decode(**p, pdl=False, prefetch=later)
-    torch.cuda.synchronize()
-    assert torch.equal(got, plain)
-
-
-@pytest.mark.gpu
 def test_gpu_refuses_a_cache_too_long():
     p = _inputs(1, 8, mla_decode.MAX_POSITIONS + 8, [10], "cuda")
     assert not mla_decode.fits(*[p[k] for k in ("q", "wkv_b", "ckv", "kpe", "prefix_len", "visible")])

@@ -42,16 +42,6 @@ def test_gpu_matches_reference(e, h, inter, n):
 
 
 @pytest.mark.gpu
-def test_gpu_l2_prefetch_of_later_weights_changes_nothing(monkeypatch):
-    act, ids, w = _case(384, 7168, 256, 8, "cuda", seed=11)
-    plain = moe_w2.moe_w2(act, ids, w, pdl=False)
-    monkeypatch.setattr(moe_w2, "L2_PREFETCH_BYTES", 40 << 20)
-    got = moe_w2.moe_w2(act, ids, w, pdl=False, prefetch=(torch.randn(2112, 7168, device="cuda").bfloat16(),))
-    torch.cuda.synchronize()
-    assert torch.equal(got, plain)
-
-
-@pytest.mark.gpu
 def test_gpu_refuses_per_channel_scales():
     act, ids, w = _case(32, 512, 32, 1, "cuda", seed=1)                  # I = 32: one group
     assert not moe_w2.fits(act, w)

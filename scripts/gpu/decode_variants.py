@@ -86,16 +86,6 @@ TRIALS = {  # trial -> [(module, attribute, value), ..]
                                               frozenset({"rope", "linear", "add", "norm"}))],
     "cuda gemv norm": [("kernels.skinny", "CUDA_GEMV", frozenset({"norm"}))],
     "skinny up to 16 rows": [("kernels.skinny", "MAX_ROWS", 16)],
-    # L2 prefetch (kernels/l2.py): the attention pulls wo (14.7 MB at K2.6 TP-8), then the router
-    # gate (5.5 MB); the routed w2 pulls the next layer's wqkv_a (30.3 MB)
-    "l2 attention 15 MB": [("kernels.mla_decode", "L2_PREFETCH_BYTES", 15 << 20)],
-    "l2 attention 8 MB": [("kernels.mla_decode", "L2_PREFETCH_BYTES", 8 << 20)],
-    "l2 attention 21 MB": [("kernels.mla_decode", "L2_PREFETCH_BYTES", 21 << 20)],
-    "l2 w2 10 MB": [("kernels.moe_w2", "L2_PREFETCH_BYTES", 10 << 20)],
-    "l2 w2 20 MB": [("kernels.moe_w2", "L2_PREFETCH_BYTES", 20 << 20)],
-    "l2 w2 31 MB": [("kernels.moe_w2", "L2_PREFETCH_BYTES", 31 << 20)],
-    "l2 attention 15 MB + w2 20 MB": [("kernels.mla_decode", "L2_PREFETCH_BYTES", 15 << 20),
-                                      ("kernels.moe_w2", "L2_PREFETCH_BYTES", 20 << 20)],
     "gemv 4 stages": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_stages=4))],
     "gemv 6 stages": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_stages=6))],
     "gemv 2 warps": [("kernels.moe_triton", "TILE_TABLE", _gemv_row0(num_warps=2))],
