@@ -1,6 +1,6 @@
 """The dense GEMVs of K2.6 TP-8 decode layers (c=1) as one chain: kernel boundaries vs grid barriers (H200).
 
-python3 scripts/gpu/chain_probe.py [OUT_DIR] [LAYERS] [BK,...] [PROGRAMS_PER_SM,...]: per layer the six one-row
+python3 scripts/gpu/chain_probe.py [OUT_DIR] [LAYERS] [BK,...] [PROGRAMS_PER_SM,...] [SLOTS[xKB],...]: per layer the six one-row
 products of a rank-0 shard, each reading the one before (wqkv_a 2112x7168 -> wq_b 1536x1536
 -> wo 7168x1024 -> router 384x7168 and shared w13 512x7168 (both from wo's output) -> shared
 w2 7168x256 -> the next layer's wqkv_a), 66 MB of bf16 weights a layer, LAYERS layers (default
@@ -10,7 +10,10 @@ to back: `skinny` the engine's kernels (kernels.skinny, cuBLAS where N > K; PDL)
 kernels.chain's kernel as `launch` (one launch a phase, PDL), `preload` (the same, first chunk
 loaded before the PDL wait), `barrier` (one persistent launch, grid barriers), `prefetch`
 (barriers, the next phase's first chunk loaded while waiting), each with 1 and 2 programs an
-SM (all resident: the barrier needs it). Checks
+SM (all resident: the barrier needs it), and `dataflow` (kernels.dataflow: one persistent CUDA
+launch whose weight stream runs ahead of the dependencies through a ring of shared memory,
+a completion counter a phase; also on the same phases without dependencies, each reading the
+input: its stream alone). Checks
 each against the fp32 torch chain; prints us a layer, GB/s and the ratio to the bytes floor
 (weights / measured copy bandwidth). Last, the cost of a dependency alone: a chain of 48 tiny
 phases (256 x 256), us a phase, each variant. Writes OUT_DIR/chain_probe.csv. About 30 s.
@@ -24,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
 from engine.config import preset  # noqa: E402
-from kernels import chain, gemv  # noqa: E402
+from kernels import chain, dataflow, gemv  # noqa: E402
 from kernels.moe_triton import sm_count  # noqa: E402
 from kernels.skinny import linear  # noqa: E402
 
@@ -33,6 +36,7 @@ out.mkdir(parents=True, exist_ok=True)
 layers = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 bks = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "256,512").split(",")]
 per_sm = [int(b) for b in (sys.argv[4] if len(sys.argv) > 4 else "1,2").split(",")]
+ring = (sys.argv[5] if len(sys.argv) > 5 else str(dataflow.SLOTS)).split(",")   # dataflow rings: SLOTS[xKB]
 dev = torch.device("cuda")
 copy = copy_bandwidth_gbps(dev)
 # (N, K, the phase whose output is x: -1 the layer's input) of a layer's six GEMVs
@@ -72,15 +76,27 @@ def cuda_chain(c: chain.Chain, pdl: bool):
 
 
 def variant(c: chain.Chain, mode: str):
-    """The chain run as `mode`: skinny, cuda / cuda-nopdl, or one of chain.MODES."""
+    """The chain run as `mode`: skinny, cuda / cuda-nopdl, dataflow, or one of chain.MODES."""
     if mode == "skinny":
         return skinny_chain(c)
     if mode.startswith("cuda"):
         return cuda_chain(c, mode == "cuda")
+    if mode.startswith("dataflow"):   # "dataflow SLOTS[xKB]": the ring's slots (and their size)
+        ring_shape = mode.split()[1].split("x") if " " in mode else [str(dataflow.SLOTS)]
+        slots = int(ring_shape[0])
+        pl = dataflow.plan(c, int(ring_shape[1]) * 1024 if len(ring_shape) > 1 else dataflow.SLOT)
+
+        def fn():
+            return dataflow.run(pl, slots=slots)
+        fn.plan = pl   # for dataflow.gave_up
+        return fn
     return lambda: chain.run(c, mode)
 
 
-OWN_MODES = ("skinny", "cuda", "cuda-nopdl")   # timed once, at the first BK and programs an SM
+# the modes of kernels other than kernels.chain's are timed once, at the first BK and programs an
+# SM; dataflow last: it writes the outputs without atomics, after which chain.MODES would not
+# find the first phase's output zeroed
+ORDER = ("skinny", "cuda", "cuda-nopdl") + chain.MODES + tuple(f"dataflow {n}" for n in ring)
 rows = []
 weight_bytes = sum(n * k * 2 for n, k, _ in shapes)
 floor_us = weight_bytes / (copy * 1e3)
@@ -105,17 +121,24 @@ def record(mode: str, bk, pps, fn, per: int, err: float | None = None) -> None:
 for bk, pps in [(bk, pps) for bk in bks for pps in per_sm]:
     c = chain.build(shapes, dev, pps * sm_count(dev), bk=bk)
     ref = chain.reference(c)
-    for mode in OWN_MODES + chain.MODES:
-        if mode in OWN_MODES and (bk, pps) != (bks[0], per_sm[0]):
+    for mode in ORDER:
+        if mode not in chain.MODES and (bk, pps) != (bks[0], per_sm[0]):
             continue
         fn = variant(c, mode)
         err = ((fn().float() - ref).norm() / ref.norm()).item()
-        if err > 2e-2:
+        if err > 2e-2 or (hasattr(fn, "plan") and dataflow.gave_up(fn.plan)):
             print(f"WRONG: {mode} bk {bk} relative error {err:.1e}", flush=True)
-        record(mode, "" if mode in OWN_MODES else bk, "" if mode in OWN_MODES else pps, fn, layers, err)
+        own = mode not in chain.MODES
+        record(mode, "" if own else bk, "" if own else pps, fn, layers, err)
+# the dataflow kernel's stream alone: the same phases, each reading the input (no dependencies)
+free = chain.build([(n, k, -1) for n, k, _ in shapes], dev, sm_count(dev), bk=256)
+for n in ring:
+    fn = variant(free, f"dataflow {n}")
+    err = ((fn().float() - chain.reference(free)).norm() / chain.reference(free).norm()).item()
+    record(f"dataflow {n}, no dependencies", "", "", fn, layers, err)
 # the cost of a dependency alone: 48 phases of 256 x 256 (128 KB of weights each, L2-resident)
 tiny = chain.build([(256, 256, p - 1) for p in range(48)], dev, sm_count(dev), bk=256)
-for mode in OWN_MODES + chain.MODES:
+for mode in ORDER:
     record(f"{mode} (256x256 phases)", 256, 1, variant(tiny, mode), 48)
 with open(out / "chain_probe.csv", "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -1,0 +1,102 @@
+"""A chain of dependent one-row GEMVs (`kernels.chain.Chain`) in one persistent CUDA launch whose
+weight stream does not stop at the dependencies (`kernels/dataflow.cu`): the probe of a
+dataflow decode step, the design docs/notes/decode.md says 1.5x needs.
+
+The launch chain pays every dependency twice: the DRAM stream stops at each kernel boundary
+(sessions 9-14 measured 1.1-1.8 us a dependency, grid barriers included), and a kernel's
+weights can only start to load once its programs are resident. Here each program (one an SM)
+has a producer lane that copies its tiles of W (whole rows, in phase order) into a ring of
+shared-memory slots with bulk copies as soon as a slot is free, whatever the dependencies,
+while its consumer warps wait, tile by tile, for the phase they read (a completion counter a
+phase) and multiply. The stream runs ahead by the ring's size (SLOTS x SLOT bytes an SM), so
+a dependency costs only what the ring cannot cover. Same maths as `chain.reference` (fp32
+activations, bf16 weights, fp32 sums; no atomics on the outputs: a tile owns whole rows).
+`scripts/gpu/chain_probe.py` times it against the launch chain (`dataflow` modes),
+`scripts/gpu/dataflow_profile.py` runs it under Nsight Compute.
+
+Measured (H200, docs/BENCHMARKS.md decode session 16): correct, and not yet fast. Its stream
+alone (the same phases without dependencies) reaches only 1.1-1.4 TB/s, ~10 GB/s an SM
+against the 33 an SM can stream (session 13's stream probe): the consumer warps are
+latency-bound (2.25 warps a scheduler, 18% issue use, a third of the shared loads conflict),
+so the chain runs 47-61 us a layer against 29.6 for the engine's launches; a dependency of
+tiny phases costs 2.7-5.7 us. Its stream must be fixed before it can say what the
+dependencies cost in this design.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kernels.chain import K, N, W_OFF, X_OFF, Y_OFF, Chain
+
+SLOTS, SLOT = 5, 32 * 1024       # the ring of an SM: 160 KB
+MAX_BN = 256                     # rows a tile, at most (kernels/dataflow.cu MAXBN)
+MAX_PHASES = 64                  # (MAXPH)
+THREADS = 32 * 9                 # 8 consumer warps, 1 producer (as kernels/dataflow.cu)
+COLS = 9                         # table columns: W_OFF N K X_OFF Y_OFF SRC BN TILES FIRST
+
+
+@dataclass
+class Plan:
+    """A chain ready for `run`: its phase table on the device (built once: a CUDA graph can
+    capture `run`) and on the host, the tiles of all phases, the largest K."""
+    chain: Chain
+    table: torch.Tensor
+    rows: list
+    total: int
+    kmax: int
+    slot: int
+
+
+def plan(chain: Chain, slot: int = SLOT) -> Plan:
+    """The kernel's phase table (rows of COLS ints): a tile is the most whole rows of W that
+    fit a `slot`-byte slot; tiles are numbered in phase order (FIRST: a phase's first tile)."""
+    if len(chain.shapes) > MAX_PHASES:
+        raise ValueError(f"{len(chain.shapes)} phases: at most {MAX_PHASES}")
+    rows, first = [], 0
+    for p, (n, k, src) in enumerate(chain.shapes):
+        bn = min(slot // (2 * k), MAX_BN)
+        if bn < 1:
+            raise ValueError(f"phase {p}: a row of K = {k} does not fit a {slot}-byte slot")
+        tiles = -(-n // bn)
+        r = chain.rows[p]
+        rows.append([r[W_OFF], r[N], r[K], r[X_OFF], r[Y_OFF], src, bn, tiles, first])
+        first += tiles
+    return Plan(chain, torch.tensor(rows, dtype=torch.int64, device=chain.act.device), rows, first,
+                max(k for _, k, _ in chain.shapes), slot)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(slots: int, slot: int, kmax: int, device: torch.device):
+    from kernels.cuda import Kernel
+    return Kernel("dataflow.cu", "dataflow", {"SLOTS": slots, "SLOT": slot, "KMAX": kmax}, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _state(device: torch.device, phases: int) -> torch.Tensor:
+    """Counters: tiles done a phase, programs done (zero between launches), the error flag."""
+    return torch.zeros(phases + 2, dtype=torch.int32, device=device)
+
+
+def run(pl: Plan, programs: int | None = None, slots: int = SLOTS) -> torch.Tensor:
+    """Run the chain in one launch of `programs` programs (default: one an SM; all must be
+    resident at once, so nothing else may run beside it) with a ring of `slots` slots;
+    returns the last phase's output (a view of the chain's activations). `gave_up` tells
+    whether a wait timed out."""
+    from kernels.moe_triton import sm_count
+    device = pl.table.device
+    programs = programs or sm_count(device)
+    if programs > sm_count(device):
+        raise ValueError(f"{programs} programs: at most one an SM ({sm_count(device)}) can be resident")
+    phases = len(pl.rows)
+    state = _state(device, phases)
+    _kernel(slots, pl.slot, pl.kmax, device)(programs, THREADS, slots * pl.slot + pl.kmax * 4,
+                             [pl.chain.w, pl.chain.act, pl.table, phases, pl.total, state, state[phases + 1:]])
+    return pl.chain.output()
+
+
+def gave_up(pl: Plan) -> bool:
+    """Whether a launch of this plan's size gave up waiting (a program not resident; synchronises)."""
+    return bool(_state(pl.table.device, len(pl.rows))[-1].item())

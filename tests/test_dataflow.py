@@ -1,0 +1,47 @@
+"""kernels.dataflow (a chain of GEMVs in one persistent CUDA launch, its weight stream running
+ahead of the dependencies): its tiling on CPU; on the GPU the kernel against the chain's fp32
+reference on fresh random weights, twice in a row (the counters reset), in a replayed CUDA
+graph, with phases that read the input or an earlier phase than the one before."""
+import pytest
+import torch
+
+from kernels import chain, dataflow
+
+SHAPES = [(2112, 7168, -1), (1536, 1536, 0), (7168, 1024, 1), (384, 7168, 2), (512, 7168, 2), (7168, 256, 4),
+          (100, 56, -1), (3000, 7168, 5)]   # the K2.6 TP-8 dense chain, a phase off the input, an uneven one
+
+
+def test_plan_cuts_phases_into_whole_rows_that_fit_a_slot():
+    c = chain.build(SHAPES, "cpu", programs=8)
+    pl = dataflow.plan(c)
+    bn = [r[6] for r in pl.rows]
+    assert bn == [2, 10, 16, 2, 2, 64, 256, 2]            # rows of 2 K bytes in 32 KB, at most MAX_BN
+    tiles = [r[7] for r in pl.rows]
+    assert tiles == [1056, 154, 448, 192, 256, 112, 1, 1500]
+    assert [r[8] for r in pl.rows] == [sum(tiles[:p]) for p in range(len(SHAPES))] and pl.total == sum(tiles)
+    assert all(r[1:3] == [n, k] and r[5] == src for r, (n, k, src) in zip(pl.rows, SHAPES))
+    assert pl.kmax == 7168 and pl.table.shape == (len(SHAPES), dataflow.COLS)
+    with pytest.raises(ValueError, match="does not fit"):
+        dataflow.plan(chain.build([(4, 16384 + 8, -1)], "cpu", programs=8))
+
+
+@pytest.mark.gpu
+def test_gpu_matches_the_reference_twice_and_in_a_graph():
+    c = chain.build(SHAPES, "cuda", programs=132, seed=3)
+    pl = dataflow.plan(c)
+    ref = chain.reference(c)
+    for _ in range(2):
+        got = dataflow.run(pl)
+        torch.cuda.synchronize()
+        assert not dataflow.gave_up(pl)
+        assert (got - ref).norm() < 1e-3 * ref.norm(), ((got - ref).norm() / ref.norm()).item()
+    first = [c.output(p).clone() for p in range(len(SHAPES))]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dataflow.run(pl)
+    for _ in range(3):
+        c.act[c.rows[0][chain.Y_OFF]:].zero_()                              # every output written again
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(c.output(p), first[p]) for p in range(len(SHAPES)))   # no atomics: bit-exact
+    assert not dataflow.gave_up(pl)
