@@ -19,7 +19,8 @@
 // The last program to finish sets the counters to zero again for the next launch. A wait that
 // lasts over ~1 s (a program not resident) gives up and sets *err instead of hanging the GPU.
 //
-// Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: the x buffer).
+// Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: the x buffer), MARKS (1: thread 0
+// of the consumers writes where its cycles go, a phase: kernels/dataflow.py `run(marks=)`).
 #include "common.cuh"
 
 #define CONSUMERS 8                        // consumer warps; one more warp produces
@@ -60,7 +61,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 dataflow(const unsigned short* w,                     // bf16, every phase's W [N, K] row-major at W_OFF
          float* act,                                  // fp32: the input, every phase's y
          const long long* gtable, int phases, int total,  // [phases <= MAXPH, COLS]; tiles of all phases
-         int* done, int* err)                         // [phases + 1]: tiles done a phase, programs done
+         int* done, int* err,                         // [phases + 1]: tiles done a phase, programs done
+         long long* marks)                            // MARKS: [G, phases, 4] clock64 spans (below)
 {
     extern __shared__ __align__(1024) unsigned char sm[];
     float* xs = reinterpret_cast<float*>(sm + SLOTS * SLOT);   // [KMAX]
@@ -103,6 +105,10 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
             const long long* ph = table + p * COLS;
             const int k = (int)ph[K];
             if (p != have) {                          // a new phase: wait for its input
+#if MARKS   // thread 0's cycles a (program, phase): 0 waiting for the input, 1 loading x, 2 waiting for tiles, 3 to publish
+                long long* mk = marks + ((long long)g * phases + p) * 4;
+                long long c0 = clock64();
+#endif
                 consumers_sync();                     // x no longer read
                 const int src = (int)ph[SRC];
                 if (t == 0 && src >= 0) {
@@ -112,13 +118,26 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
                     asm volatile("fence.acq_rel.gpu;" ::: "memory");
                 }
                 consumers_sync();
+#if MARKS
+                long long c1 = clock64();
+                if (t == 0) mk[0] = c1 - c0;
+#endif
                 for (int c = t; c < k; c += 32 * CONSUMERS) xs[c] = ld_f32(act + ph[X_OFF] + c);
                 consumers_sync();
+#if MARKS
+                if (t == 0) { mk[1] = clock64() - c1; mk[2] = 0; mk[3] = clock64(); }
+#endif
                 have = p;
             }
             const int s = i % SLOTS, j = u - (int)ph[FIRST], r0 = j * (int)ph[BN];
             const int rows = min((int)ph[BN], (int)ph[N] - r0);
+#if MARKS
+            const long long cw = clock64();
+#endif
             mbar_wait(smem_addr(full + s), (i / SLOTS) & 1, err);
+#if MARKS
+            if (t == 0) marks[((long long)g * phases + p) * 4 + 2] += clock64() - cw;
+#endif
             const uint4* tile = reinterpret_cast<const uint4*>(sm + s * SLOT);
             const float4* x4 = reinterpret_cast<const float4*>(xs);
             const int kv = k / 8, segs = (kv + 31) / 32;   // 16-byte vectors a row; 32-vector segments
@@ -150,6 +169,9 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
             if (u + G >= end(p)) {                    // the program's last tile of the phase: publish
                 consumers_sync();                     // every row stored
                 count();
+#if MARKS
+                if (t == 0) { long long* mk = marks + ((long long)g * phases + p) * 4; mk[3] = clock64() - mk[3]; }
+#endif
             }
         }
     }

@@ -69,9 +69,10 @@ def plan(chain: Chain, slot: int = SLOT) -> Plan:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(slots: int, slot: int, kmax: int, device: torch.device):
+def _kernel(slots: int, slot: int, kmax: int, marks: bool, device: torch.device):
     from kernels.cuda import Kernel
-    return Kernel("dataflow.cu", "dataflow", {"SLOTS": slots, "SLOT": slot, "KMAX": kmax}, device)
+    return Kernel("dataflow.cu", "dataflow", {"SLOTS": slots, "SLOT": slot, "KMAX": kmax, "MARKS": int(marks)},
+                  device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,11 +81,13 @@ def _state(device: torch.device, phases: int) -> torch.Tensor:
     return torch.zeros(phases + 2, dtype=torch.int32, device=device)
 
 
-def run(pl: Plan, programs: int | None = None, slots: int = SLOTS) -> torch.Tensor:
+def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, marks: torch.Tensor | None = None) -> torch.Tensor:
     """Run the chain in one launch of `programs` programs (default: one an SM; all must be
     resident at once, so nothing else may run beside it) with a ring of `slots` slots;
     returns the last phase's output (a view of the chain's activations). `gave_up` tells
-    whether a wait timed out."""
+    whether a wait timed out. marks: int64 `[programs, phases, 4]` (a build that writes them):
+    a program's consumer cycles a phase waiting for its input, loading x, waiting for its tiles
+    to land, and from x loaded to the phase's tiles published."""
     from kernels.moe_triton import sm_count
     device = pl.table.device
     programs = programs or sm_count(device)
@@ -92,8 +95,11 @@ def run(pl: Plan, programs: int | None = None, slots: int = SLOTS) -> torch.Tens
         raise ValueError(f"{programs} programs: at most one an SM ({sm_count(device)}) can be resident")
     phases = len(pl.rows)
     state = _state(device, phases)
-    _kernel(slots, pl.slot, pl.kmax, device)(programs, THREADS, slots * pl.slot + pl.kmax * 4,
-                             [pl.chain.w, pl.chain.act, pl.table, phases, pl.total, state, state[phases + 1:]])
+    if marks is not None and (marks.shape != (programs, phases, 4) or marks.dtype != torch.int64):
+        raise ValueError(f"marks must be int64 [{programs}, {phases}, 4], got {marks.dtype} {tuple(marks.shape)}")
+    _kernel(slots, pl.slot, pl.kmax, marks is not None, device)(
+        programs, THREADS, slots * pl.slot + pl.kmax * 4,
+        [pl.chain.w, pl.chain.act, pl.table, phases, pl.total, state, state[phases + 1:], marks])
     return pl.chain.output()
 
 

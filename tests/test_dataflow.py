@@ -45,3 +45,19 @@ def test_gpu_matches_the_reference_twice_and_in_a_graph():
         torch.cuda.synchronize()
         assert all(torch.equal(c.output(p), first[p]) for p in range(len(SHAPES)))   # no atomics: bit-exact
     assert not dataflow.gave_up(pl)
+
+
+@pytest.mark.gpu
+def test_gpu_marks_build_gives_the_same_outputs_and_its_spans():
+    c = chain.build(SHAPES, "cuda", programs=132, seed=5)
+    pl = dataflow.plan(c)
+    plain = dataflow.run(pl).clone()
+    marks = torch.zeros(132, len(SHAPES), 4, dtype=torch.int64, device="cuda")
+    got = dataflow.run(pl, marks=marks)
+    torch.cuda.synchronize()
+    assert torch.equal(got, plain) and not dataflow.gave_up(pl)
+    took = marks[:, :, 1] > 0                                           # x loaded: the program had tiles there
+    assert took.sum(0).tolist() == [min(132, r[7]) for r in pl.rows]    # tiles dealt round robin
+    assert (marks >= 0).all() and (marks[:, :, 3][took] > 0).all()
+    with pytest.raises(ValueError, match="marks"):
+        dataflow.run(pl, marks=marks[:, :3])

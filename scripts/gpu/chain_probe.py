@@ -132,9 +132,10 @@ for bk, pps in [(bk, pps) for bk in bks for pps in per_sm]:
         record(mode, "" if own else bk, "" if own else pps, fn, layers, err)
 # the dataflow kernel's stream alone: the same phases, each reading the input (no dependencies)
 free = chain.build([(n, k, -1) for n, k, _ in shapes], dev, sm_count(dev), bk=256)
+free_ref = chain.reference(free)
 for n in ring:
     fn = variant(free, f"dataflow {n}")
-    err = ((fn().float() - chain.reference(free)).norm() / chain.reference(free).norm()).item()
+    err = ((fn().float() - free_ref).norm() / free_ref.norm()).item()
     record(f"dataflow {n}, no dependencies", "", "", fn, layers, err)
 # the cost of a dependency alone: 48 phases of 256 x 256 (128 KB of weights each, L2-resident)
 tiny = chain.build([(256, 256, p - 1) for p in range(48)], dev, sm_count(dev), bk=256)

@@ -1,12 +1,16 @@
-"""Three launches of kernels.dataflow on the 4-layer K2.6 TP-8 dense chain of
-scripts/gpu/chain_probe.py, for Nsight Compute (H200):
+"""kernels.dataflow on the 4-layer K2.6 TP-8 dense chain of scripts/gpu/chain_probe.py (H200):
+where a program's consumer time goes, and a run for Nsight Compute.
 
+python3 scripts/gpu/dataflow_profile.py [free] [marks]
+  free:  every phase reads the input (no dependencies: the kernel's stream alone)
+  marks: a build whose consumer thread 0 writes clock64 spans a (program, phase); prints their
+         means a phase of the layer (us at 1.98 GHz, the SM clock ncu reads under load)
+
+Under ncu, three launches, the third profiled:
 ncu --clock-control none --kernel-name dataflow --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis --section SourceCounters \
     python3 scripts/gpu/dataflow_profile.py [free]
-
-`free`: every phase reads the input (no dependencies: the kernel's stream alone).
 """
 import sys
 from pathlib import Path
@@ -19,14 +23,27 @@ from kernels import chain, dataflow  # noqa: E402
 
 SRC = {"wqkv_a": -1, "wq_b": 0, "wo": 1, "router": 2, "shared_w13": 2, "shared_w2": 4}   # as chain_probe.py
 LAYER = [(*preset("k2.6", tp=8).dense_shapes()[name], src) for name, src in SRC.items()]
-free = sys.argv[1:] == ["free"]
+free, with_marks = "free" in sys.argv[1:], "marks" in sys.argv[1:]
 shapes = []
 for layer in range(4):
     base = len(shapes)
     for n, k, src in LAYER:
         shapes.append((n, k, -1 if free else (base - 1 if layer else -1) if src < 0 else base + src))
-pl = dataflow.plan(chain.build(shapes, "cuda", torch.cuda.get_device_properties(0).multi_processor_count))
+programs = torch.cuda.get_device_properties(0).multi_processor_count
+pl = dataflow.plan(chain.build(shapes, "cuda", programs))
+marks = torch.zeros(programs, len(shapes), 4, dtype=torch.int64, device="cuda") if with_marks else None
 for _ in range(3):
-    dataflow.run(pl)
+    if marks is not None:
+        marks.zero_()
+    dataflow.run(pl, marks=marks)
 torch.cuda.synchronize()
 print("gave up:", dataflow.gave_up(pl))
+if marks is not None:
+    m = marks.cpu().double() / 1980.0                                   # us
+    took = m[:, :, 1] > 0                                               # (program, phase) with tiles
+    print(f"{'phase':<11} {'programs':>8} {'wait input':>10} {'load x':>8} {'wait tiles':>10} {'x -> published':>14}  (us, mean)")
+    for i, name in enumerate(SRC):
+        sel = took[:, i::len(SRC)]
+        v = m[:, i::len(SRC)][sel]                                      # [n, 4]
+        print(f"{name:<11} {sel.sum().item() / 4:>8.0f} {v[:, 0].mean():>10.2f} {v[:, 1].mean():>8.2f} "
+              f"{v[:, 2].mean():>10.2f} {v[:, 3].mean():>14.2f}")
