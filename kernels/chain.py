@@ -180,6 +180,23 @@ def splits_for(n: int, k: int, bn: int, bk: int, programs: int) -> tuple[int, in
     return best[1], best[2]
 
 
+# the dense one-row GEMVs of a decode layer and the GEMV whose output each reads (-1: the layer's
+# input, the previous layer's last output); their (N, K) are ModelConfig.dense_shapes()'s
+LAYER_SRC = {"wqkv_a": -1, "wq_b": 0, "wo": 1, "router": 2, "shared_w13": 2, "shared_w2": 4}
+
+
+def layers(dense_shapes: dict[str, tuple[int, int]], n_layers: int, free: bool = False) -> list[tuple[int, int, int]]:
+    """`build`'s shapes for `n_layers` decode layers of LAYER_SRC's GEMVs chained (each layer
+    reads the last output of the one before); free: every phase reads the input instead."""
+    shapes = []
+    for layer in range(n_layers):
+        base = len(shapes)
+        for name, src in LAYER_SRC.items():
+            n, k = dense_shapes[name]
+            shapes.append((n, k, -1 if free else (base - 1 if layer else -1) if src < 0 else base + src))
+    return shapes
+
+
 def build(shapes: list[tuple[int, int, int]], device, programs: int, bn: int = 16, bk: int = 256,
           seed: int = 0) -> Chain:
     """Random chain: phase p is `(n, k, src)`, W_p `[n, k]`, x_p = the first k values of phase

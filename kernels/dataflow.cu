@@ -9,13 +9,14 @@
 // mbarrier) as soon as the slot is free: weights depend on nothing, so it runs ahead of the
 // dependencies by up to the ring's size. The consumer warps take the tiles in the same order:
 // at a tile of a new phase they wait until every tile of the phase it reads is done (a counter
-// a phase in global memory, acquire loads), load x_p into shared memory, then multiply each
+// a phase in global memory: relaxed polls, then a fence), load x_p into shared memory, then multiply each
 // tile as it lands (the warps split a long row's 256-value segments, or take a short row each;
 // fp32 sums, a row's partials added in order: repeatable to the bit), release the slot (`empty`
-// mbarrier) and store its y rows. When they move on to a tile of the next phase, thread 0 adds
-// the program's tiles of the phase to its counter with one release reduction, after a barrier
-// of the consumer warps (which orders the other threads' stores before it, as CUTLASS's
-// semaphores rely on); so a program publishes once a phase, not once a tile.
+// mbarrier) and store its y rows. After its last tile of a phase, thread 0 adds the program's
+// tiles of the phase to its counter with one release reduction, after a barrier of the consumer
+// warps (which orders the other threads' stores before it, as CUTLASS's semaphores rely on); so
+// a program publishes once a phase, not once a tile. The phase table is kept in shared memory
+// (it is walked at every tile).
 // The last program to finish sets the counters to zero again for the next launch. A wait that
 // lasts over ~1 s (a program not resident) gives up and sets *err instead of hanging the GPU.
 //
@@ -96,6 +97,9 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
         }
     } else {                                          // the consumers
         int p = 0, have = -1, mine = 0;               // the phase of x; its tiles done here, not yet counted
+#if MARKS   // thread 0's cycles a (program, phase): 0 waiting for the input, 1 loading x, 2 waiting for tiles, 3 to publish
+        long long* mk = marks;
+#endif
         auto count = [&]() {                          // publish them (after a consumer barrier)
             if (t == 0) asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(done + have), "r"(mine) : "memory");
             mine = 0;
@@ -105,8 +109,8 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
             const long long* ph = table + p * COLS;
             const int k = (int)ph[K];
             if (p != have) {                          // a new phase: wait for its input
-#if MARKS   // thread 0's cycles a (program, phase): 0 waiting for the input, 1 loading x, 2 waiting for tiles, 3 to publish
-                long long* mk = marks + ((long long)g * phases + p) * 4;
+#if MARKS
+                mk = marks + ((long long)g * phases + p) * 4;
                 long long c0 = clock64();
 #endif
                 consumers_sync();                     // x no longer read
@@ -136,7 +140,7 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
 #endif
             mbar_wait(smem_addr(full + s), (i / SLOTS) & 1, err);
 #if MARKS
-            if (t == 0) marks[((long long)g * phases + p) * 4 + 2] += clock64() - cw;
+            if (t == 0) mk[2] += clock64() - cw;
 #endif
             const uint4* tile = reinterpret_cast<const uint4*>(sm + s * SLOT);
             const float4* x4 = reinterpret_cast<const float4*>(xs);
@@ -170,7 +174,7 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
                 consumers_sync();                     // every row stored
                 count();
 #if MARKS
-                if (t == 0) { long long* mk = marks + ((long long)g * phases + p) * 4; mk[3] = clock64() - mk[3]; }
+                if (t == 0) mk[3] = clock64() - mk[3];
 #endif
             }
         }

@@ -71,3 +71,13 @@ def test_gpu_chain_with_barriers_replays_in_a_cuda_graph():
         g.replay()
     torch.cuda.synchronize()
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_layers_chains_the_dense_gemvs_of_each_layer_to_the_one_before():
+    from engine.config import preset
+    dense = preset("k2.6", tp=8).dense_shapes()
+    shapes = chain.layers(dense, 2)
+    assert [(n, k) for n, k, _ in shapes[:6]] == [dense[name] for name in chain.LAYER_SRC]
+    assert [src for _, _, src in shapes] == [-1, 0, 1, 2, 2, 4, 5, 6, 7, 8, 8, 10]   # layer 2 reads layer 1's last
+    assert [src for _, _, src in chain.layers(dense, 2, free=True)] == [-1] * 12
+    chain.build(shapes, "cpu", programs=8)                                             # a valid chain

@@ -39,14 +39,8 @@ per_sm = [int(b) for b in (sys.argv[4] if len(sys.argv) > 4 else "1,2").split(",
 ring = (sys.argv[5] if len(sys.argv) > 5 else str(dataflow.SLOTS)).split(",")   # dataflow rings: SLOTS[xKB]
 dev = torch.device("cuda")
 copy = copy_bandwidth_gbps(dev)
-# (N, K, the phase whose output is x: -1 the layer's input) of a layer's six GEMVs
-SRC = {"wqkv_a": -1, "wq_b": 0, "wo": 1, "router": 2, "shared_w13": 2, "shared_w2": 4}
-LAYER = [(*preset("k2.6", tp=8).dense_shapes()[name], src) for name, src in SRC.items()]
-shapes = []
-for layer in range(layers):
-    base = len(shapes)
-    for n, k, src in LAYER:
-        shapes.append((n, k, (base - 1 if layer else -1) if src < 0 else base + src))
+dense = preset("k2.6", tp=8).dense_shapes()
+shapes = chain.layers(dense, layers)
 
 
 def skinny_chain(c: chain.Chain):
@@ -131,7 +125,7 @@ for bk, pps in [(bk, pps) for bk in bks for pps in per_sm]:
         own = mode not in chain.MODES
         record(mode, "" if own else bk, "" if own else pps, fn, layers, err)
 # the dataflow kernel's stream alone: the same phases, each reading the input (no dependencies)
-free = chain.build([(n, k, -1) for n, k, _ in shapes], dev, sm_count(dev), bk=256)
+free = chain.build(chain.layers(dense, layers, free=True), dev, sm_count(dev), bk=256)
 free_ref = chain.reference(free)
 for n in ring:
     fn = variant(free, f"dataflow {n}")

@@ -21,14 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.config import preset  # noqa: E402
 from kernels import chain, dataflow  # noqa: E402
 
-SRC = {"wqkv_a": -1, "wq_b": 0, "wo": 1, "router": 2, "shared_w13": 2, "shared_w2": 4}   # as chain_probe.py
-LAYER = [(*preset("k2.6", tp=8).dense_shapes()[name], src) for name, src in SRC.items()]
 free, with_marks = "free" in sys.argv[1:], "marks" in sys.argv[1:]
-shapes = []
-for layer in range(4):
-    base = len(shapes)
-    for n, k, src in LAYER:
-        shapes.append((n, k, -1 if free else (base - 1 if layer else -1) if src < 0 else base + src))
+shapes = chain.layers(preset("k2.6", tp=8).dense_shapes(), 4, free)
 programs = torch.cuda.get_device_properties(0).multi_processor_count
 pl = dataflow.plan(chain.build(shapes, "cuda", programs))
 marks = torch.zeros(programs, len(shapes), 4, dtype=torch.int64, device="cuda") if with_marks else None
@@ -42,8 +36,9 @@ if marks is not None:
     m = marks.cpu().double() / 1980.0                                   # us
     took = m[:, :, 1] > 0                                               # (program, phase) with tiles
     print(f"{'phase':<11} {'programs':>8} {'wait input':>10} {'load x':>8} {'wait tiles':>10} {'x -> published':>14}  (us, mean)")
-    for i, name in enumerate(SRC):
-        sel = took[:, i::len(SRC)]
-        v = m[:, i::len(SRC)][sel]                                      # [n, 4]
+    per = len(chain.LAYER_SRC)
+    for i, name in enumerate(chain.LAYER_SRC):
+        sel = took[:, i::per]
+        v = m[:, i::per][sel]                                      # [n, 4]
         print(f"{name:<11} {sel.sum().item() / 4:>8.0f} {v[:, 0].mean():>10.2f} {v[:, 1].mean():>8.2f} "
               f"{v[:, 2].mean():>10.2f} {v[:, 3].mean():>14.2f}")
