@@ -31,11 +31,13 @@ import torch
 
 from kernels.chain import K, N, W_OFF, X_OFF, Y_OFF, Chain
 
-SLOTS, SLOT = 5, 32 * 1024       # the ring of an SM: 160 KB
-MAX_BN = 256                     # rows a tile, at most (kernels/dataflow.cu MAXBN)
+SLOTS, SLOT = 8, 20 * 1024       # the ring of an SM: 160 KB (+ two x buffers of the largest K)
 MAX_PHASES = 64                  # (MAXPH)
-THREADS = 32 * 9                 # 8 consumer warps, 1 producer (as kernels/dataflow.cu)
+CONSUMERS = 8                    # consumer warps (kernels/dataflow.cu)
+THREADS = 32 * (CONSUMERS + 2)   # the consumer warps, the producer's, the x loader's (kernels/dataflow.cu)
 COLS = 9                         # table columns: W_OFF N K X_OFF Y_OFF SRC BN TILES FIRST
+MARKS = ("wait input", "wait x buffer", "wait x", "wait tiles", "multiply", "publish", "tiles")   # dataflow.cu M_*
+SHARED_MAX = 227 * 1024          # dynamic shared memory of a program, at most (H100/H200)
 
 
 @dataclass
@@ -57,7 +59,7 @@ def plan(chain: Chain, slot: int = SLOT) -> Plan:
         raise ValueError(f"{len(chain.shapes)} phases: at most {MAX_PHASES}")
     rows, first = [], 0
     for p, (n, k, src) in enumerate(chain.shapes):
-        bn = min(slot // (2 * k), MAX_BN)
+        bn = slot // (2 * k)
         if bn < 1:
             raise ValueError(f"phase {p}: a row of K = {k} does not fit a {slot}-byte slot")
         tiles = -(-n // bn)
@@ -85,20 +87,28 @@ def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, marks: torch.
     """Run the chain in one launch of `programs` programs (default: one an SM; all must be
     resident at once, so nothing else may run beside it) with a ring of `slots` slots;
     returns the last phase's output (a view of the chain's activations). `gave_up` tells
-    whether a wait timed out. marks: int64 `[programs, phases, 4]` (a build that writes them):
-    a program's consumer cycles a phase waiting for its input, loading x, waiting for its tiles
-    to land, and from x loaded to the phase's tiles published."""
+    whether a wait timed out. marks: int64 `[programs, phases, len(MARKS)]` (a build that
+    writes them): a program's cycles a phase in its x loader waiting for the input and for a
+    free x buffer, in its consumer warps (summed over the warps) waiting for x and for their
+    tiles, multiplying them (and storing the rows), publishing them; the tiles it multiplied."""
     from kernels.moe_triton import sm_count
     device = pl.table.device
     programs = programs or sm_count(device)
     if programs > sm_count(device):
         raise ValueError(f"{programs} programs: at most one an SM ({sm_count(device)}) can be resident")
+    if slots % CONSUMERS:
+        raise ValueError(f"{slots} slots: a multiple of {CONSUMERS} (a slot belongs to one consumer warp)")
+    shared = slots * pl.slot + 2 * pl.kmax * 4
+    if shared > SHARED_MAX - 8 * 1024:                               # the kernel's static arrays
+        raise ValueError(f"{slots} slots of {pl.slot} bytes and two x buffers of K = {pl.kmax} "
+                         f"need {shared} bytes of shared memory: too many")
     phases = len(pl.rows)
     state = _state(device, phases)
-    if marks is not None and (marks.shape != (programs, phases, 4) or marks.dtype != torch.int64):
-        raise ValueError(f"marks must be int64 [{programs}, {phases}, 4], got {marks.dtype} {tuple(marks.shape)}")
+    want = (programs, phases, len(MARKS))
+    if marks is not None and (marks.shape != want or marks.dtype != torch.int64):
+        raise ValueError(f"marks must be int64 {list(want)}, got {marks.dtype} {tuple(marks.shape)}")
     _kernel(slots, pl.slot, pl.kmax, marks is not None, device)(
-        programs, THREADS, slots * pl.slot + pl.kmax * 4,
+        programs, THREADS, shared,
         [pl.chain.w, pl.chain.act, pl.table, phases, pl.total, state, state[phases + 1:], marks])
     return pl.chain.output()
 

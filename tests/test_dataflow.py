@@ -15,14 +15,14 @@ def test_plan_cuts_phases_into_whole_rows_that_fit_a_slot():
     c = chain.build(SHAPES, "cpu", programs=8)
     pl = dataflow.plan(c)
     bn = [r[6] for r in pl.rows]
-    assert bn == [2, 10, 16, 2, 2, 64, 256, 2]            # rows of 2 K bytes in 32 KB, at most MAX_BN
+    assert bn == [1, 6, 10, 1, 1, 40, 182, 1]             # rows of 2 K bytes in 20 KB
     tiles = [r[7] for r in pl.rows]
-    assert tiles == [1056, 154, 448, 192, 256, 112, 1, 1500]
+    assert tiles == [2112, 256, 717, 384, 512, 180, 1, 3000]
     assert [r[8] for r in pl.rows] == [sum(tiles[:p]) for p in range(len(SHAPES))] and pl.total == sum(tiles)
     assert all(r[1:3] == [n, k] and r[5] == src for r, (n, k, src) in zip(pl.rows, SHAPES))
     assert pl.kmax == 7168 and pl.table.shape == (len(SHAPES), dataflow.COLS)
     with pytest.raises(ValueError, match="does not fit"):
-        dataflow.plan(chain.build([(4, 16384 + 8, -1)], "cpu", programs=8))
+        dataflow.plan(chain.build([(4, 10240 + 8, -1)], "cpu", programs=8))
 
 
 @pytest.mark.gpu
@@ -52,12 +52,13 @@ def test_gpu_marks_build_gives_the_same_outputs_and_its_spans():
     c = chain.build(SHAPES, "cuda", programs=132, seed=5)
     pl = dataflow.plan(c)
     plain = dataflow.run(pl).clone()
-    marks = torch.zeros(132, len(SHAPES), 4, dtype=torch.int64, device="cuda")
+    marks = torch.zeros(132, len(SHAPES), len(dataflow.MARKS), dtype=torch.int64, device="cuda")
     got = dataflow.run(pl, marks=marks)
     torch.cuda.synchronize()
     assert torch.equal(got, plain) and not dataflow.gave_up(pl)
-    took = marks[:, :, 1] > 0                                           # x loaded: the program had tiles there
-    assert took.sum(0).tolist() == [min(132, r[7]) for r in pl.rows]    # tiles dealt round robin
-    assert (marks >= 0).all() and (marks[:, :, 3][took] > 0).all()
+    tiles = marks[:, :, -1]
+    assert tiles.sum(0).tolist() == [r[7] for r in pl.rows]            # every tile multiplied once
+    assert tiles.max(0).values.tolist() == [-(-r[7] // 132) for r in pl.rows]   # dealt round robin
+    assert (marks >= 0).all() and (marks[:, 1:, 0][tiles[:, 1:] > 0] > 0).all()   # a wait costs cycles
     with pytest.raises(ValueError, match="marks"):
-        dataflow.run(pl, marks=marks[:, :3])
+        dataflow.run(pl, marks=marks[:, :, :-1])

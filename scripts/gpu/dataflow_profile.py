@@ -3,8 +3,8 @@ where a program's consumer time goes, and a run for Nsight Compute.
 
 python3 scripts/gpu/dataflow_profile.py [free] [marks]
   free:  every phase reads the input (no dependencies: the kernel's stream alone)
-  marks: a build whose consumer thread 0 writes clock64 spans a (program, phase); prints their
-         means a phase of the layer (us at 1.98 GHz, the SM clock ncu reads under load)
+  marks: a build that counts where a program's waits go a phase (kernels.dataflow.MARKS); prints
+         their means a phase of the layer (us at 1.98 GHz, the SM clock ncu reads under load)
 
 Under ncu, three launches, the third profiled:
 ncu --clock-control none --kernel-name dataflow --launch-skip 2 --launch-count 1 \
@@ -25,7 +25,7 @@ free, with_marks = "free" in sys.argv[1:], "marks" in sys.argv[1:]
 shapes = chain.layers(preset("k2.6", tp=8).dense_shapes(), 4, free)
 programs = torch.cuda.get_device_properties(0).multi_processor_count
 pl = dataflow.plan(chain.build(shapes, "cuda", programs))
-marks = torch.zeros(programs, len(shapes), 4, dtype=torch.int64, device="cuda") if with_marks else None
+marks = torch.zeros(programs, len(shapes), len(dataflow.MARKS), dtype=torch.int64, device="cuda") if with_marks else None
 for _ in range(3):
     if marks is not None:
         marks.zero_()
@@ -33,12 +33,13 @@ for _ in range(3):
 torch.cuda.synchronize()
 print("gave up:", dataflow.gave_up(pl))
 if marks is not None:
-    m = marks.cpu().double() / 1980.0                                   # us
-    took = m[:, :, 1] > 0                                               # (program, phase) with tiles
-    print(f"{'phase':<11} {'programs':>8} {'wait input':>10} {'load x':>8} {'wait tiles':>10} {'x -> published':>14}  (us, mean)")
+    m = marks.cpu().double()
+    m[:, :, :-1] /= 1980.0                                              # us
+    m[:, :, 2:-1] /= dataflow.CONSUMERS                                  # a consumer warp
     per = len(chain.LAYER_SRC)
+    print(f"{'phase':<11} {'programs':>8} " + " ".join(f"{h:>10}" for h in dataflow.MARKS)
+          + "  (us a program, mean; consumer waits a warp; tiles a program)")
     for i, name in enumerate(chain.LAYER_SRC):
-        sel = took[:, i::per]
-        v = m[:, i::per][sel]                                      # [n, 4]
-        print(f"{name:<11} {sel.sum().item() / 4:>8.0f} {v[:, 0].mean():>10.2f} {v[:, 1].mean():>8.2f} "
-              f"{v[:, 2].mean():>10.2f} {v[:, 3].mean():>14.2f}")
+        v = m[:, i::per]
+        v = v[v[:, :, -1] > 0]                                           # (program, layer) with tiles
+        print(f"{name:<11} {len(v) / (len(shapes) // per):>8.0f} " + " ".join(f"{x:>10.2f}" for x in v.mean(0).tolist()))
