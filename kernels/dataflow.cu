@@ -13,30 +13,32 @@
 //   an acquire fence and a proxy fence, since a bulk copy reads what other programs stored),
 //   then copies x_p with one bulk copy into one of two x buffers (`xfull`), once the consumers
 //   have left the phase that used that buffer before (`xempty`);
-// - the consumer warps take the tiles round robin (tile i: warp i % CONSUMERS; SLOTS is a
-//   multiple of CONSUMERS, so a slot's tiles are all one warp's, which has taken the slot's last
-//   tile before it waits for the next: its mbarriers are never two phases apart), no block-wide
-//   barrier: a warp waits for its phase's x and its tile, multiplies four rows at a time, then
-//   the rest one at a time (`rows_dot`: x loaded once for the rows; fp32 sums reduced in a
-//   fixed order: repeatable to the bit), frees the
-//   slot (`empty`) and stores the rows; after its last tile of a phase it adds its tiles of the
-//   phase to the phase's counter with one release reduction. Every warp, tiles of the
+// - TEAMS teams of SPLIT consumer warps take the tiles round robin (tile i: team i % TEAMS;
+//   SLOTS is a multiple of TEAMS, so a slot's tiles are all one team's, which has taken the
+//   slot's last tile before it waits for the next: its mbarriers are never two phases apart),
+//   no block-wide barrier: a team waits for its phase's x and its tile, multiplies four rows at
+//   a time, then the rest one at a time (`team_rows`: each warp a share of a row's vectors, x
+//   loaded once for the rows; fp32 sums added in a fixed order: repeatable to the bit), frees
+//   the slot (`empty`) and stores the rows; after its last tile of a phase it adds its tiles of
+//   the phase to the phase's counter with one release reduction. Every warp, tiles of the
 //   phase or not, waits for each phase's x before it leaves the phase (`xempty`), so a warp
 //   with nothing to do cannot arrive twice on one buffer's barrier.
 // The last program to finish sets the counters to zero again for the next launch. A wait that
 // lasts over ~1 s (a program not resident) gives up and sets *err instead of hanging the GPU.
 //
-// Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), MARKS (1: cycles a
+// Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), SPLIT (warps a
+// team), MARKS (1: cycles a
 // (program, phase) where the waits go: kernels/dataflow.py `run(marks=)`).
 #include "common.cuh"
 
-#define CONSUMERS 8                        // consumer warps; then the producer's warp, the loader's
+#define TEAMS 8                            // consumer teams (a tile each); then the producer's warp, the loader's
+#define CONSUMERS (TEAMS * SPLIT)          // consumer warps: SPLIT a team, each a share of a row's vectors
 #define THREADS (32 * (CONSUMERS + 2))
 #define COLS 9                             // table columns (kernels/dataflow.py)
 #define MAXPH 64                           // phases, at most
 #define RB 4                               // rows a warp multiplies at once
-#define UNROLL 4                           // 16-byte vectors of a row a lane loads at once
-static_assert(SLOTS % CONSUMERS == 0, "a slot belongs to one consumer warp");
+#define UNROLL (4 / SPLIT)                 // 16-byte vectors of a row a lane loads at once (registers)
+static_assert(SLOTS % TEAMS == 0, "a slot belongs to one consumer team");
 enum { W_OFF, N, K, X_OFF, Y_OFF, SRC, BN, TILES, FIRST };
 enum { M_INPUT, M_XBUF, M_X, M_TILE, M_MULT, M_PUBLISH, M_TILES, M_COLS };   // marks: cycles, tiles a (program, phase)
 
@@ -71,18 +73,18 @@ __device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b) {   // 8 bf16
          + bf16_lo(w.z) * b.x + bf16_hi(w.z) * b.y + bf16_lo(w.w) * b.z + bf16_hi(w.w) * b.w;
 }
 
-// rows [0, R) of a tile (kv 16-byte vectors a row) times x: a lane takes vectors lane + 32 j,
-// UNROLL of them loaded before their sums, UNROLL partial sums a row (added in a fixed order),
-// then a warp sum; lane 0 stores the R values at y.
+// rows [0, R) of a tile (kv 16-byte vectors a row) times x, this warp's share: vectors
+// c0, c0 + 32 SPLIT, ... (c0 = 32 h + lane), UNROLL of them loaded before their sums, UNROLL
+// partial sums a row (added in a fixed order), then a warp sum: every lane gets the R sums.
 template <int R>
-__device__ __forceinline__ void rows_dot(const uint4* tile, const float4* x4, int kv, int lane, float* y) {
+__device__ __forceinline__ void rows_dot(const uint4* tile, const float4* x4, int kv, int c0, float (&y)[R]) {
     float a[R][UNROLL] = {};
-    for (int c0 = lane; c0 < kv; c0 += 32 * UNROLL) {
+    for (; c0 < kv; c0 += 32 * SPLIT * UNROLL) {
         uint4 wv[UNROLL][R];
         float4 xa[UNROLL], xb[UNROLL];
 #pragma unroll
         for (int v = 0; v < UNROLL; v++) {
-            const int c = min(c0 + 32 * v, kv - 1);
+            const int c = min(c0 + 32 * SPLIT * v, kv - 1);
             xa[v] = x4[2 * c];
             xb[v] = x4[2 * c + 1];
 #pragma unroll
@@ -92,16 +94,38 @@ __device__ __forceinline__ void rows_dot(const uint4* tile, const float4* x4, in
         for (int v = 0; v < UNROLL; v++)
 #pragma unroll
             for (int q = 0; q < R; q++)
-                if (c0 + 32 * v < kv) a[q][v] += dot8(wv[v][q], xa[v], xb[v]);
+                if (c0 + 32 * SPLIT * v < kv) a[q][v] += dot8(wv[v][q], xa[v], xb[v]);
     }
 #pragma unroll
     for (int q = 0; q < R; q++) {
         float sum = 0.f;
 #pragma unroll
         for (int v = 0; v < UNROLL; v++) sum += a[q][v];
-        sum = warp_sum(sum);
-        if (lane == 0) y[q] = sum;
+        y[q] = warp_sum(sum);
     }
+}
+__device__ __forceinline__ void team_sync(int team) {   // the SPLIT warps of a team (named barrier 1 + team)
+    if (SPLIT == 1) __syncwarp();
+    else asm volatile("bar.sync %0, %1;" :: "r"(1 + team), "n"(32 * SPLIT) : "memory");
+}
+// A team's rows [0, R) into y: warp h of the team adds its share; lane 0 of warp 0 stores
+// the sums (warp 0's share, then the others' in order; part: the team's RB (SPLIT - 1) floats).
+template <int R>
+__device__ __forceinline__ void team_rows(const uint4* tile, const float4* x4, int kv, int h, int lane, int team,
+                                          float* part, float* y) {
+    float s[R];
+    rows_dot<R>(tile, x4, kv, 32 * h + lane, s);
+    if (SPLIT > 1) {
+        if (h > 0 && lane == 0)
+            for (int q = 0; q < R; q++) part[(h - 1) * RB + q] = s[q];
+        team_sync(team);
+        if (h == 0 && lane == 0)
+            for (int q = 0; q < R; q++)
+                for (int o = 1; o < SPLIT; o++) s[q] += part[(o - 1) * RB + q];
+        team_sync(team);                              // part read before the next rows write it
+    }
+    if (h == 0 && lane == 0)
+        for (int q = 0; q < R; q++) y[q] = s[q];
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -115,7 +139,9 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
     float* xs = reinterpret_cast<float*>(sm + SLOTS * SLOT);   // [2][KMAX]
     __shared__ __align__(8) unsigned long long full[SLOTS], empty[SLOTS], xfull[2], xempty[2];
     __shared__ long long table[MAXPH * COLS];        // the phase table, walked at every tile
+    __shared__ float part[TEAMS][RB * SPLIT];        // a team's other warps' sums (team_rows)
     const int t = threadIdx.x, warp = t / 32, lane = t % 32, g = blockIdx.x, G = gridDim.x;
+    const int team = warp / SPLIT, h = warp % SPLIT;
     for (int i = t; i < phases * COLS; i += THREADS) table[i] = gtable[i];
     auto end = [&](int q) { return table[q * COLS + FIRST] + table[q * COLS + TILES]; };   // past phase q's tiles
 #if MARKS
@@ -171,34 +197,35 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
                 n++;
                 const long long c0 = clock64();
                 mbar_wait(smem_addr(xfull + (n & 1)), (n >> 1) & 1, err);
-                if (lane == 0) mark(p, M_X, clock64() - c0);
+                if (h == 0 && lane == 0) mark(p, M_X, clock64() - c0);
             }
-            if (i % CONSUMERS != warp) continue;
+            if (i % TEAMS != team) continue;
             const long long* ph = table + p * COLS;
             const int s = i % SLOTS, k = (int)ph[K], r0 = (u - (int)ph[FIRST]) * (int)ph[BN];
             const int rows = min((int)ph[BN], (int)ph[N] - r0), kv = k / 8;   // 16-byte vectors a row
             const long long c0 = clock64();
             mbar_wait(smem_addr(full + s), (i / SLOTS) & 1, err);
             const long long c1 = clock64();
-            if (lane == 0) { mark(p, M_TILE, c1 - c0); mark(p, M_TILES, 1); }
+            const bool lead = h == 0 && lane == 0;    // marks, frees the slot, publishes
+            if (lead) { mark(p, M_TILE, c1 - c0); mark(p, M_TILES, 1); }
             const uint4* tile = reinterpret_cast<const uint4*>(sm + s * SLOT);
             const float4* x4 = reinterpret_cast<const float4*>(xs + (n & 1) * KMAX);
             float* y = act + ph[Y_OFF] + r0;
             int r = 0;
-            for (; r + RB <= rows; r += RB) rows_dot<RB>(tile + r * kv, x4, kv, lane, y + r);
-            for (; r < rows; r++) rows_dot<1>(tile + r * kv, x4, kv, lane, y + r);
-            __syncwarp();                             // every lane done with the slot
+            for (; r + RB <= rows; r += RB) team_rows<RB>(tile + r * kv, x4, kv, h, lane, team, part[team], y + r);
+            for (; r < rows; r++) team_rows<1>(tile + r * kv, x4, kv, h, lane, team, part[team], y + r);
+            team_sync(team);                          // every warp of the team done with the slot
             mine++;
-            if (lane == 0) {
+            const bool last = u + TEAMS * G >= end(p);   // the team's last tile of the phase
+            if (lead) {
                 mbar_arrive(smem_addr(empty + s));
                 const long long c2 = clock64();
-                if (u + CONSUMERS * G >= end(p)) {   // the warp's last tile of the phase: publish its tiles
+                if (last)                             // publish the team's tiles of the phase
                     asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(done + p), "r"(mine) : "memory");
-                }
                 mark(p, M_MULT, c2 - c1);
                 mark(p, M_PUBLISH, clock64() - c2);
             }
-            if (u + CONSUMERS * G >= end(p)) mine = 0;
+            if (last) mine = 0;
         }
     }
     __syncthreads();

@@ -6,21 +6,21 @@ The launch chain pays every dependency twice: the DRAM stream stops at each kern
 (sessions 9-14 measured 1.1-1.8 us a dependency, grid barriers included), and a kernel's
 weights can only start to load once its programs are resident. Here each program (one an SM)
 has a producer lane that copies its tiles of W (whole rows, in phase order) into a ring of
-shared-memory slots with bulk copies as soon as a slot is free, whatever the dependencies,
-while its consumer warps wait, tile by tile, for the phase they read (a completion counter a
-phase) and multiply. The stream runs ahead by the ring's size (SLOTS x SLOT bytes an SM), so
-a dependency costs only what the ring cannot cover. Same maths as `chain.reference` (fp32
-activations, bf16 weights, fp32 sums; no atomics on the outputs: a tile owns whole rows).
-`scripts/gpu/chain_probe.py` times it against the launch chain (`dataflow` modes),
-`scripts/gpu/dataflow_profile.py` runs it under Nsight Compute.
+shared-memory slots with bulk copies as soon as a slot is free, whatever the dependencies; an
+x-loader lane that waits for a phase's input (a completion counter a phase) and bulk-copies it
+into one of two x buffers; and consumer teams (TEAMS of `split` warps, a tile each, a slot's
+tiles always one team's) that multiply. The stream runs ahead by the ring's size (SLOTS x
+SLOT bytes an SM), so a dependency costs only what the ring cannot cover. Same maths as
+`chain.reference` (fp32 activations, bf16 weights, fp32 sums; no atomics on the outputs: a
+tile owns whole rows). `scripts/gpu/chain_probe.py` times it against the launch chain
+(`dataflow` modes), `scripts/gpu/dataflow_profile.py` shows where its time goes (marks, ncu).
 
-Measured (H200, docs/BENCHMARKS.md decode session 16): correct, and not yet fast. Its stream
-alone (the same phases without dependencies) reaches only 1.1-1.4 TB/s, ~10 GB/s an SM
-against the 33 an SM can stream (session 13's stream probe): the consumer warps are
-latency-bound (2.25 warps a scheduler, 18% issue use, a third of the shared loads conflict),
-so the chain runs 47-61 us a layer against 29.6 for the engine's launches; a dependency of
-tiny phases costs 2.7-5.7 us. Its stream must be fixed before it can say what the
-dependencies cost in this design.
+Measured (H200, docs/BENCHMARKS.md decode sessions 16-17): correct; its stream alone (the same
+phases without dependencies) reaches 23.8 us a layer, 1.54x the copy floor of 15.5, but with
+the dependencies it takes 35.4, slower than the engine's launches (29.6): a dependency costs
+~1.9 us in the K2.6 chain and 2.2 in a chain of tiny phases, against 1.09 for a launch with
+PDL (a release under the weight stream takes 1-4 us; the next phase's x waits for the whole
+producing phase).
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from kernels.chain import K, N, W_OFF, X_OFF, Y_OFF, Chain
 
 SLOTS, SLOT = 8, 20 * 1024       # the ring of an SM: 160 KB (+ two x buffers of the largest K)
 MAX_PHASES = 64                  # (MAXPH)
-CONSUMERS = 8                    # consumer warps (kernels/dataflow.cu)
-THREADS = 32 * (CONSUMERS + 2)   # the consumer warps, the producer's, the x loader's (kernels/dataflow.cu)
+TEAMS = 8                        # consumer teams, a tile each (kernels/dataflow.cu)
+SPLIT = 1                        # warps a team
 COLS = 9                         # table columns: W_OFF N K X_OFF Y_OFF SRC BN TILES FIRST
 MARKS = ("wait input", "wait x buffer", "wait x", "wait tiles", "multiply", "publish", "tiles")   # dataflow.cu M_*
 SHARED_MAX = 227 * 1024          # dynamic shared memory of a program, at most (H100/H200)
@@ -52,9 +52,11 @@ class Plan:
     slot: int
 
 
-def plan(chain: Chain, slot: int = SLOT) -> Plan:
+def plan(chain: Chain, slot: int = SLOT, spread: bool = True) -> Plan:
     """The kernel's phase table (rows of COLS ints): a tile is the most whole rows of W that
-    fit a `slot`-byte slot; tiles are numbered in phase order (FIRST: a phase's first tile)."""
+    fit a `slot`-byte slot, and (spread) no more than share a phase's rows over every consumer
+    team of the chain's programs (a small phase then runs on all of them, not on a few slow
+    teams); tiles are numbered in phase order (FIRST: a phase's first tile)."""
     if len(chain.shapes) > MAX_PHASES:
         raise ValueError(f"{len(chain.shapes)} phases: at most {MAX_PHASES}")
     rows, first = [], 0
@@ -62,6 +64,8 @@ def plan(chain: Chain, slot: int = SLOT) -> Plan:
         bn = slot // (2 * k)
         if bn < 1:
             raise ValueError(f"phase {p}: a row of K = {k} does not fit a {slot}-byte slot")
+        if spread:
+            bn = min(bn, -(-n // (chain.programs * TEAMS)))
         tiles = -(-n // bn)
         r = chain.rows[p]
         rows.append([r[W_OFF], r[N], r[K], r[X_OFF], r[Y_OFF], src, bn, tiles, first])
@@ -71,10 +75,10 @@ def plan(chain: Chain, slot: int = SLOT) -> Plan:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(slots: int, slot: int, kmax: int, marks: bool, device: torch.device):
+def _kernel(slots: int, slot: int, kmax: int, split: int, marks: bool, device: torch.device):
     from kernels.cuda import Kernel
-    return Kernel("dataflow.cu", "dataflow", {"SLOTS": slots, "SLOT": slot, "KMAX": kmax, "MARKS": int(marks)},
-                  device)
+    return Kernel("dataflow.cu", "dataflow",
+                  {"SLOTS": slots, "SLOT": slot, "KMAX": kmax, "SPLIT": split, "MARKS": int(marks)}, device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,21 +87,24 @@ def _state(device: torch.device, phases: int) -> torch.Tensor:
     return torch.zeros(phases + 2, dtype=torch.int32, device=device)
 
 
-def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, marks: torch.Tensor | None = None) -> torch.Tensor:
+def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = SPLIT,
+        marks: torch.Tensor | None = None) -> torch.Tensor:
     """Run the chain in one launch of `programs` programs (default: one an SM; all must be
-    resident at once, so nothing else may run beside it) with a ring of `slots` slots;
+    resident at once, so nothing else may run beside it) with a ring of `slots` slots and
+    consumer teams of `split` warps (1 or 2);
     returns the last phase's output (a view of the chain's activations). `gave_up` tells
     whether a wait timed out. marks: int64 `[programs, phases, len(MARKS)]` (a build that
     writes them): a program's cycles a phase in its x loader waiting for the input and for a
-    free x buffer, in its consumer warps (summed over the warps) waiting for x and for their
+    free x buffer, in its consumer teams (summed over the teams) waiting for x and for their
     tiles, multiplying them (and storing the rows), publishing them; the tiles it multiplied."""
     from kernels.moe_triton import sm_count
     device = pl.table.device
     programs = programs or sm_count(device)
     if programs > sm_count(device):
         raise ValueError(f"{programs} programs: at most one an SM ({sm_count(device)}) can be resident")
-    if slots % CONSUMERS:
-        raise ValueError(f"{slots} slots: a multiple of {CONSUMERS} (a slot belongs to one consumer warp)")
+    if slots % TEAMS or split not in (1, 2):
+        raise ValueError(f"{slots} slots, {split} warps a team: slots a multiple of {TEAMS} (a slot belongs "
+                         "to one consumer team), 1 or 2 warps a team")
     shared = slots * pl.slot + 2 * pl.kmax * 4
     if shared > SHARED_MAX - 8 * 1024:                               # the kernel's static arrays
         raise ValueError(f"{slots} slots of {pl.slot} bytes and two x buffers of K = {pl.kmax} "
@@ -107,8 +114,8 @@ def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, marks: torch.
     want = (programs, phases, len(MARKS))
     if marks is not None and (marks.shape != want or marks.dtype != torch.int64):
         raise ValueError(f"marks must be int64 {list(want)}, got {marks.dtype} {tuple(marks.shape)}")
-    _kernel(slots, pl.slot, pl.kmax, marks is not None, device)(
-        programs, THREADS, shared,
+    _kernel(slots, pl.slot, pl.kmax, split, marks is not None, device)(
+        programs, 32 * (TEAMS * split + 2), shared,
         [pl.chain.w, pl.chain.act, pl.table, phases, pl.total, state, state[phases + 1:], marks])
     return pl.chain.output()
 

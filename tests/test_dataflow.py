@@ -13,7 +13,7 @@ SHAPES = [(2112, 7168, -1), (1536, 1536, 0), (7168, 1024, 1), (384, 7168, 2), (5
 
 def test_plan_cuts_phases_into_whole_rows_that_fit_a_slot():
     c = chain.build(SHAPES, "cpu", programs=8)
-    pl = dataflow.plan(c)
+    pl = dataflow.plan(c, spread=False)
     bn = [r[6] for r in pl.rows]
     assert bn == [1, 6, 10, 1, 1, 40, 182, 1]             # rows of 2 K bytes in 20 KB
     tiles = [r[7] for r in pl.rows]
@@ -25,20 +25,27 @@ def test_plan_cuts_phases_into_whole_rows_that_fit_a_slot():
         dataflow.plan(chain.build([(4, 10240 + 8, -1)], "cpu", programs=8))
 
 
+def test_plan_spreads_a_small_phase_over_every_team():
+    pl = dataflow.plan(chain.build(SHAPES, "cpu", programs=132))    # 132 programs x 8 teams
+    assert [r[6] for r in pl.rows] == [1, 2, 7, 1, 1, 7, 1, 1]     # ceil(N / 1056), at most a slot
+    assert [r[7] for r in pl.rows] == [2112, 768, 1024, 384, 512, 1024, 100, 3000]
+
+
 @pytest.mark.gpu
-def test_gpu_matches_the_reference_twice_and_in_a_graph():
+@pytest.mark.parametrize("split", [1, 2])
+def test_gpu_matches_the_reference_twice_and_in_a_graph(split):
     c = chain.build(SHAPES, "cuda", programs=132, seed=3)
     pl = dataflow.plan(c)
     ref = chain.reference(c)
     for _ in range(2):
-        got = dataflow.run(pl)
+        got = dataflow.run(pl, split=split)
         torch.cuda.synchronize()
         assert not dataflow.gave_up(pl)
         assert (got - ref).norm() < 1e-3 * ref.norm(), ((got - ref).norm() / ref.norm()).item()
     first = [c.output(p).clone() for p in range(len(SHAPES))]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        dataflow.run(pl)
+        dataflow.run(pl, split=split)
     for _ in range(3):
         c.act[c.rows[0][chain.Y_OFF]:].zero_()                              # every output written again
         graph.replay()

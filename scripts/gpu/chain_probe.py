@@ -1,6 +1,6 @@
 """The dense GEMVs of K2.6 TP-8 decode layers (c=1) as one chain: kernel boundaries vs grid barriers (H200).
 
-python3 scripts/gpu/chain_probe.py [OUT_DIR] [LAYERS] [BK,...] [PROGRAMS_PER_SM,...] [SLOTS[xKB],...]: per layer the six one-row
+python3 scripts/gpu/chain_probe.py [OUT_DIR] [LAYERS] [BK,...] [PROGRAMS_PER_SM,...] [SLOTS[xKB][sSPLIT][f],...]: per layer the six one-row
 products of a rank-0 shard, each reading the one before (wqkv_a 2112x7168 -> wq_b 1536x1536
 -> wo 7168x1024 -> router 384x7168 and shared w13 512x7168 (both from wo's output) -> shared
 w2 7168x256 -> the next layer's wqkv_a), 66 MB of bf16 weights a layer, LAYERS layers (default
@@ -19,6 +19,7 @@ each against the fp32 torch chain; prints us a layer, GB/s and the ratio to the 
 phases (256 x 256), us a phase, each variant. Writes OUT_DIR/chain_probe.csv. About 30 s.
 """
 import csv
+import re
 import sys
 from pathlib import Path
 
@@ -36,7 +37,7 @@ out.mkdir(parents=True, exist_ok=True)
 layers = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 bks = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "256,512").split(",")]
 per_sm = [int(b) for b in (sys.argv[4] if len(sys.argv) > 4 else "1,2").split(",")]
-ring = (sys.argv[5] if len(sys.argv) > 5 else str(dataflow.SLOTS)).split(",")   # dataflow rings: SLOTS[xKB]
+ring = (sys.argv[5] if len(sys.argv) > 5 else str(dataflow.SLOTS)).split(",")   # dataflow: SLOTS[xKB][sSPLIT]
 dev = torch.device("cuda")
 copy = copy_bandwidth_gbps(dev)
 dense = preset("k2.6", tp=8).dense_shapes()
@@ -75,13 +76,13 @@ def variant(c: chain.Chain, mode: str):
         return skinny_chain(c)
     if mode.startswith("cuda"):
         return cuda_chain(c, mode == "cuda")
-    if mode.startswith("dataflow"):   # "dataflow SLOTS[xKB]": the ring's slots (and their size)
-        ring_shape = mode.split()[1].split("x") if " " in mode else [str(dataflow.SLOTS)]
-        slots = int(ring_shape[0])
-        pl = dataflow.plan(c, int(ring_shape[1]) * 1024 if len(ring_shape) > 1 else dataflow.SLOT)
+    if mode.startswith("dataflow"):   # "dataflow SLOTS[xKB][sSPLIT][f]": slots (KB), warps a team, f: full tiles
+        spec = re.fullmatch(r"(\d+)(?:x(\d+))?(?:s(\d))?(f?)", mode.split()[1] if " " in mode else str(dataflow.SLOTS))
+        slots, kb, split = int(spec[1]), spec[2], int(spec[3] or dataflow.SPLIT)
+        pl = dataflow.plan(c, int(kb) * 1024 if kb else dataflow.SLOT, spread=not spec[4])
 
         def fn():
-            return dataflow.run(pl, slots=slots)
+            return dataflow.run(pl, slots=slots, split=split)
         fn.plan = pl   # for dataflow.gave_up
         return fn
     return lambda: chain.run(c, mode)
