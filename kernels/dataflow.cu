@@ -27,8 +27,7 @@
 // lasts over ~1 s (a program not resident) gives up and sets *err instead of hanging the GPU.
 //
 // Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), SPLIT (warps a
-// team), MARKS (1: cycles a
-// (program, phase) where the waits go: kernels/dataflow.py `run(marks=)`).
+// team), MARKS (1: where a (program, phase)'s cycles go: kernels/dataflow.py `run(marks=)`).
 #include "common.cuh"
 
 #define TEAMS 8                            // consumer teams (a tile each); then the producer's warp, the loader's
