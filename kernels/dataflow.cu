@@ -23,16 +23,21 @@
 //   the phase to the phase's counter with one release reduction. Every warp, tiles of the
 //   phase or not, waits for each phase's x before it leaves the phase (`xempty`), so a warp
 //   with nothing to do cannot arrive twice on one buffer's barrier.
+// With PUBLISHER, a team instead adds its tiles to a shared-memory count a phase (a CTA-scope
+// release: no wait on the GPU's memory) and one more lane, the publisher, waits for each of
+// the program's phases to be complete there and publishes it with the release reduction, whose
+// wait for the stores to land (1-4 us under the weight stream) then stalls no team.
 // The last program to finish sets the counters to zero again for the next launch. A wait that
 // lasts over ~1 s (a program not resident) gives up and sets *err instead of hanging the GPU.
 //
 // Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), SPLIT (warps a
-// team), MARKS (1: where a (program, phase)'s cycles go: kernels/dataflow.py `run(marks=)`).
+// team), PUBLISHER (1: the publisher lane above), MARKS (1: where a (program, phase)'s cycles
+// go: kernels/dataflow.py `run(marks=)`).
 #include "common.cuh"
 
 #define TEAMS 8                            // consumer teams (a tile each); then the producer's warp, the loader's
 #define CONSUMERS (TEAMS * SPLIT)          // consumer warps: SPLIT a team, each a share of a row's vectors
-#define THREADS (32 * (CONSUMERS + 2))
+#define THREADS (32 * (CONSUMERS + 2 + PUBLISHER))   // + the publisher's warp
 #define COLS 9                             // table columns (kernels/dataflow.py)
 #define MAXPH 64                           // phases, at most
 #define RB 4                               // rows a warp multiplies at once
@@ -61,6 +66,11 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_cta(const int* p) {   // shared memory
+    int v;
+    asm volatile("ld.acquire.cta.shared::cta.s32 %0, [%1];" : "=r"(v) : "r"(smem_addr(p)) : "memory");
+    return v;
 }
 __device__ __forceinline__ int ld_relaxed(const int* p) {
     int v;
@@ -139,9 +149,11 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
     __shared__ __align__(8) unsigned long long full[SLOTS], empty[SLOTS], xfull[2], xempty[2];
     __shared__ long long table[MAXPH * COLS];        // the phase table, walked at every tile
     __shared__ float part[TEAMS][RB * SPLIT];        // a team's other warps' sums (team_rows)
+    __shared__ int ready[MAXPH];                     // PUBLISHER: the program's tiles done a phase
     const int t = threadIdx.x, warp = t / 32, lane = t % 32, g = blockIdx.x, G = gridDim.x;
     const int team = warp / SPLIT, h = warp % SPLIT;
     for (int i = t; i < phases * COLS; i += THREADS) table[i] = gtable[i];
+    for (int i = t; i < phases; i += THREADS) ready[i] = 0;
     auto end = [&](int q) { return table[q * COLS + FIRST] + table[q * COLS + TILES]; };   // past phase q's tiles
 #if MARKS
     auto mark = [&](int p, int col, unsigned long long v) { atomicAdd(marks + ((long long)g * phases + p) * M_COLS + col, v); };
@@ -187,6 +199,23 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
                 bulk_load(xs + b * KMAX, act + ph[X_OFF], (unsigned)(ph[K] * 4), smem_addr(xfull + b));
             }
         }
+    } else if (warp == CONSUMERS + 2) {               // PUBLISHER: the publisher
+        if (lane == 0) {
+            for (int u = g, p = 0, cnt = 0;; u += G, cnt++) {   // cnt: the program's tiles of phase p so far
+                if (u >= total || u >= end(p)) {     // phase p's tiles here all counted: publish them once done
+                    const long long c0 = clock64();
+                    while (cnt > 0 && ld_acquire_cta(ready + p) < cnt)
+                        if (clock64() - c0 > 2000000000ll) { atomicExch(err, 1); break; }
+                    const long long c1 = clock64();
+                    if (cnt > 0)                      // cumulative: orders the teams' stores it acquired
+                        asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(done + p), "r"(cnt) : "memory");
+                    if (cnt > 0) mark(p, M_PUBLISH, clock64() - c1);
+                    if (u >= total) break;
+                    while (u >= end(p)) p++;
+                    cnt = 0;
+                }
+            }
+        }
     } else {                                          // the consumers
         int p = 0, n = -1, mine = 0;                  // the phase of tile i, its index among the program's; tiles not yet published
         for (int i = 0, u = g; u < total; u += G, i++) {
@@ -219,10 +248,13 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
             if (lead) {
                 mbar_arrive(smem_addr(empty + s));
                 const long long c2 = clock64();
-                if (last)                             // publish the team's tiles of the phase
+                if (last && PUBLISHER)                // hand the team's tiles of the phase to the publisher
+                    asm volatile("red.release.cta.shared::cta.add.s32 [%0], %1;" :: "r"(smem_addr(ready + p)), "r"(mine)
+                                 : "memory");
+                else if (last)                        // publish them
                     asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(done + p), "r"(mine) : "memory");
                 mark(p, M_MULT, c2 - c1);
-                mark(p, M_PUBLISH, clock64() - c2);
+                if (!PUBLISHER) mark(p, M_PUBLISH, clock64() - c2);
             }
             if (last) mine = 0;
         }

@@ -75,10 +75,10 @@ def plan(chain: Chain, slot: int = SLOT, spread: bool = True) -> Plan:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(slots: int, slot: int, kmax: int, split: int, marks: bool, device: torch.device):
+def _kernel(slots: int, slot: int, kmax: int, split: int, publisher: bool, marks: bool, device: torch.device):
     from kernels.cuda import Kernel
-    return Kernel("dataflow.cu", "dataflow",
-                  {"SLOTS": slots, "SLOT": slot, "KMAX": kmax, "SPLIT": split, "MARKS": int(marks)}, device)
+    return Kernel("dataflow.cu", "dataflow", {"SLOTS": slots, "SLOT": slot, "KMAX": kmax, "SPLIT": split,
+                                              "PUBLISHER": int(publisher), "MARKS": int(marks)}, device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,16 +87,18 @@ def _state(device: torch.device, phases: int) -> torch.Tensor:
     return torch.zeros(phases + 2, dtype=torch.int32, device=device)
 
 
-def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = SPLIT,
+def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = SPLIT, publisher: bool = False,
         marks: torch.Tensor | None = None) -> torch.Tensor:
     """Run the chain in one launch of `programs` programs (default: one an SM; all must be
-    resident at once, so nothing else may run beside it) with a ring of `slots` slots and
-    consumer teams of `split` warps (1 or 2);
+    resident at once, so nothing else may run beside it) with a ring of `slots` slots,
+    consumer teams of `split` warps (1 or 2) and (publisher) a lane that publishes the
+    program's finished phases for them;
     returns the last phase's output (a view of the chain's activations). `gave_up` tells
     whether a wait timed out. marks: int64 `[programs, phases, len(MARKS)]` (a build that
     writes them): a program's cycles a phase in its x loader waiting for the input and for a
     free x buffer, in its consumer teams (summed over the teams) waiting for x and for their
-    tiles, multiplying them (and storing the rows), publishing them; the tiles it multiplied."""
+    tiles, multiplying them (and storing the rows), publishing them (with `publisher`: the
+    publisher lane's wait for its release); the tiles it multiplied."""
     from kernels.moe_triton import sm_count
     device = pl.table.device
     programs = programs or sm_count(device)
@@ -114,8 +116,8 @@ def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = 
     want = (programs, phases, len(MARKS))
     if marks is not None and (marks.shape != want or marks.dtype != torch.int64):
         raise ValueError(f"marks must be int64 {list(want)}, got {marks.dtype} {tuple(marks.shape)}")
-    _kernel(slots, pl.slot, pl.kmax, split, marks is not None, device)(
-        programs, 32 * (TEAMS * split + 2), shared,
+    _kernel(slots, pl.slot, pl.kmax, split, publisher, marks is not None, device)(
+        programs, 32 * (TEAMS * split + 2 + publisher), shared,
         [pl.chain.w, pl.chain.act, pl.table, phases, pl.total, state, state[phases + 1:], marks])
     return pl.chain.output()
 

@@ -32,20 +32,20 @@ def test_plan_spreads_a_small_phase_over_every_team():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [1, 2])
-def test_gpu_matches_the_reference_twice_and_in_a_graph(split):
+@pytest.mark.parametrize("split, publisher", [(1, False), (2, False), (2, True)])
+def test_gpu_matches_the_reference_twice_and_in_a_graph(split, publisher):
     c = chain.build(SHAPES, "cuda", programs=132, seed=3)
     pl = dataflow.plan(c)
     ref = chain.reference(c)
     for _ in range(2):
-        got = dataflow.run(pl, split=split)
+        got = dataflow.run(pl, split=split, publisher=publisher)
         torch.cuda.synchronize()
         assert not dataflow.gave_up(pl)
         assert (got - ref).norm() < 1e-3 * ref.norm(), ((got - ref).norm() / ref.norm()).item()
     first = [c.output(p).clone() for p in range(len(SHAPES))]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        dataflow.run(pl, split=split)
+        dataflow.run(pl, split=split, publisher=publisher)
     for _ in range(3):
         c.act[c.rows[0][chain.Y_OFF]:].zero_()                              # every output written again
         graph.replay()
