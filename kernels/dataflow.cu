@@ -49,15 +49,20 @@ enum { M_INPUT, M_XBUF, M_X, M_TILE, M_MULT, M_PUBLISH, M_TILES, M_COLS };   // 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
 }
-__device__ __forceinline__ bool mbar_wait(unsigned bar, unsigned parity, int* err) {   // false: gave up
+template <class F>
+__device__ __forceinline__ bool wait_until(F ready, int* err) {   // false: gave up after ~1 s, *err set
     const long long t0 = clock64();
-    unsigned done = 0;
-    while (!done) {
+    while (!ready())
+        if (clock64() - t0 > 2000000000ll) { atomicExch(err, 1); return false; }
+    return true;
+}
+__device__ __forceinline__ bool mbar_wait(unsigned bar, unsigned parity, int* err) {   // false: gave up
+    return wait_until([&] {
+        unsigned done;
         asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-        if (!done && clock64() - t0 > 2000000000ll) { atomicExch(err, 1); return false; }
-    }
-    return true;
+        return done != 0;
+    }, err);
 }
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("{ .reg .b64 s; mbarrier.arrive.shared::cta.b64 s, [%0]; }" :: "r"(bar) : "memory");
@@ -186,12 +191,11 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
                 while (u >= end(p)) p++;
                 const long long* ph = table + p * COLS;
                 const int b = ++n & 1, src = (int)ph[SRC];
-                long long c0 = clock64();
+                const long long c0 = clock64();
                 if (n >= 2 && !mbar_wait(smem_addr(xempty + b), ((n >> 1) - 1) & 1, err)) break;
                 const long long c1 = clock64();
                 if (src >= 0) {
-                    while (ld_relaxed(done + src) < (int)table[src * COLS + TILES])
-                        if (clock64() - c1 > 2000000000ll) { atomicExch(err, 1); break; }
+                    wait_until([&] { return ld_relaxed(done + src) >= (int)table[src * COLS + TILES]; }, err);
                     asm volatile("fence.acq_rel.gpu;\n\tfence.proxy.async.global;" ::: "memory");
                 }
                 mark(p, M_XBUF, c1 - c0);
@@ -203,13 +207,12 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
         if (lane == 0) {
             for (int u = g, p = 0, cnt = 0;; u += G, cnt++) {   // cnt: the program's tiles of phase p so far
                 if (u >= total || u >= end(p)) {     // phase p's tiles here all counted: publish them once done
-                    const long long c0 = clock64();
-                    while (cnt > 0 && ld_acquire_cta(ready + p) < cnt)
-                        if (clock64() - c0 > 2000000000ll) { atomicExch(err, 1); break; }
-                    const long long c1 = clock64();
-                    if (cnt > 0)                      // cumulative: orders the teams' stores it acquired
+                    if (cnt > 0) {
+                        wait_until([&] { return ld_acquire_cta(ready + p) >= cnt; }, err);
+                        const long long c1 = clock64();   // cumulative: orders the teams' stores it acquired
                         asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(done + p), "r"(cnt) : "memory");
-                    if (cnt > 0) mark(p, M_PUBLISH, clock64() - c1);
+                        mark(p, M_PUBLISH, clock64() - c1);
+                    }
                     if (u >= total) break;
                     while (u >= end(p)) p++;
                     cnt = 0;
