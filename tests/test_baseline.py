@@ -73,10 +73,17 @@ def test_sglang_multi_token_events_match_schedule(tmp_path):
     assert num(row["median_e2e_latency_ms"]) == pytest.approx(1e3 * (ttft + 4 * gap), rel=REL)
     assert num(row["accept_length"]) == pytest.approx(17 / 4)  # completion / verify rounds, exact
     assert num(row["spec_verify_ct"]) == 8 * 4
-    # two waves of 4 requests of ttft + 4 gaps each
-    assert num(row["output_tok_per_s"]) == pytest.approx(8 * 17 / (2 * (ttft + 4 * gap)), rel=REL)
-    assert num(row["req_per_s"]) == pytest.approx(8 / (2 * (ttft + 4 * gap)), rel=REL)
-    assert num(row["measured_concurrency"]) == pytest.approx(4, rel=2 * REL)
+    # two waves of 4 requests of ttft + 4 gaps each: the level cannot be shorter; on a loaded
+    # 2-core CI box thread scheduling has added ~11% (one run: 2.01 s for 1.8), so the bound
+    # above is loose and the rates are checked exactly against the measured duration
+    ideal = 2 * (ttft + 4 * gap)
+    dur = num(row["duration_s"])
+    assert ideal * (1 - 0.01) <= dur <= ideal * 1.25
+    assert num(row["output_tok_per_s"]) == pytest.approx(8 * 17 / dur)
+    assert num(row["req_per_s"]) == pytest.approx(8 / dur)
+    e2e_sum_s = sum(num(r["e2e_latency_ms"]) for r in reqs) / 1e3
+    assert num(row["measured_concurrency"]) == pytest.approx(e2e_sum_s / dur)
+    assert num(row["measured_concurrency"]) == pytest.approx(4, rel=0.2)
     assert num(row["total_tok_per_s"]) == pytest.approx(
         num(row["output_tok_per_s"]) + num(row["input_tok_per_s"]))
 
