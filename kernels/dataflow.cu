@@ -16,7 +16,7 @@
 // - TEAMS teams of SPLIT consumer warps take the tiles round robin (tile i: team i % TEAMS;
 //   SLOTS is a multiple of TEAMS, so a slot's tiles are all one team's, which has taken the
 //   slot's last tile before it waits for the next: its mbarriers are never two phases apart),
-//   no block-wide barrier: a team waits for its phase's x and its tile, multiplies four rows at
+//   no block-wide barrier: a team waits for its phase's x and its tile, multiplies RB rows at
 //   a time, then the rest one at a time (`team_rows`: each warp a share of a row's vectors, x
 //   loaded once for the rows; fp32 sums added in a fixed order: repeatable to the bit), frees
 //   the slot (`empty`) and stores the rows; after its last tile of a phase it adds its tiles of
@@ -31,7 +31,8 @@
 // lasts over ~1 s (a program not resident) gives up and sets *err instead of hanging the GPU.
 //
 // Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), SPLIT (warps a
-// team), PUBLISHER (1: the publisher lane above), MARKS (1: where a (program, phase)'s cycles
+// team), RB (rows a team multiplies at once), VECS (16-byte vectors of each of those rows a
+// team's lane loads before it multiplies; a multiple of SPLIT), PUBLISHER (1: the publisher lane above), MARKS (1: where a (program, phase)'s cycles
 // go: kernels/dataflow.py `run(marks=)`).
 #include "common.cuh"
 
@@ -40,9 +41,9 @@
 #define THREADS (32 * (CONSUMERS + 2 + PUBLISHER))   // + the publisher's warp
 #define COLS 9                             // table columns (kernels/dataflow.py)
 #define MAXPH 64                           // phases, at most
-#define RB 4                               // rows a warp multiplies at once
-#define UNROLL (4 / SPLIT)                 // 16-byte vectors of a row a lane loads at once (registers)
+#define UNROLL (VECS / SPLIT)              // 16-byte vectors of a row a lane loads at once (registers)
 static_assert(SLOTS % TEAMS == 0, "a slot belongs to one consumer team");
+static_assert(VECS % SPLIT == 0, "a team's vectors in flight are shared by its warps");
 enum { W_OFF, N, K, X_OFF, Y_OFF, SRC, BN, TILES, FIRST };
 enum { M_INPUT, M_XBUF, M_X, M_TILE, M_MULT, M_PUBLISH, M_TILES, M_COLS };   // marks: cycles, tiles a (program, phase)
 
