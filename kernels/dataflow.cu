@@ -27,33 +27,23 @@
 // release: no wait on the GPU's memory) and one more lane, the publisher, waits for each of
 // the program's phases to be complete there and publishes it with the release reduction, whose
 // wait for the stores to land (1-4 us under the weight stream) then stalls no team.
-// With LL, a dependency is carried in the data instead, as NCCL's LL protocol does: a team
-// stores each output value a second time, as one 64-bit word of (value, the launch's epoch),
-// and LOADERS loader warps poll x itself in those words (16 bytes a lane, LLV pairs in flight)
-// and write the values into the x
-// buffer: no counter, no release, no fence, no second round trip for a bulk copy.
-// The last program to finish sets the counters to zero again for the next launch (and the
-// epoch to this launch's). A wait that
+// The last program to finish sets the counters to zero again for the next launch. A wait that
 // lasts over ~1 s (a program not resident) gives up and sets *err instead of hanging the GPU.
 //
 // Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), SPLIT (warps a
 // team), RB (rows a team multiplies at once), VECS (16-byte vectors of each of those rows a
-// team's lane loads before it multiplies; a multiple of SPLIT), PUBLISHER (1: the publisher
-// lane above), LL (1: dependencies in the data, above; not with PUBLISHER), LLV (pairs a loader
-// lane polls at once), MARKS (1: where a (program, phase)'s cycles go: kernels/dataflow.py
-// `run(marks=)`).
+// team's lane loads before it multiplies; a multiple of SPLIT), PUBLISHER (1: the publisher lane above), MARKS (1: where a (program, phase)'s cycles
+// go: kernels/dataflow.py `run(marks=)`).
 #include "common.cuh"
 
-#define TEAMS 8                            // consumer teams (a tile each); then the producer's warp, the loaders'
+#define TEAMS 8                            // consumer teams (a tile each); then the producer's warp, the loader's
 #define CONSUMERS (TEAMS * SPLIT)          // consumer warps: SPLIT a team, each a share of a row's vectors
-#define LOADERS (LL ? 4 : 1)               // x-loader warps
-#define THREADS (32 * (CONSUMERS + 1 + LOADERS + PUBLISHER))   // + the publisher's warp
+#define THREADS (32 * (CONSUMERS + 2 + PUBLISHER))   // + the publisher's warp
 #define COLS 9                             // table columns (kernels/dataflow.py)
 #define MAXPH 64                           // phases, at most
 #define UNROLL (VECS / SPLIT)              // 16-byte vectors of a row a lane loads at once (registers)
 static_assert(SLOTS % TEAMS == 0, "a slot belongs to one consumer team");
 static_assert(VECS % SPLIT == 0, "a team's vectors in flight are shared by its warps");
-static_assert(!(LL && PUBLISHER), "with LL nothing is published");
 enum { W_OFF, N, K, X_OFF, Y_OFF, SRC, BN, TILES, FIRST };
 enum { M_INPUT, M_XBUF, M_X, M_TILE, M_MULT, M_PUBLISH, M_TILES, M_COLS };   // marks: cycles, tiles a (program, phase)
 
@@ -92,48 +82,6 @@ __device__ __forceinline__ int ld_relaxed(const int* p) {
     int v;
     asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
-}
-__device__ __forceinline__ ulonglong2 ld_relaxed_v2(const ulonglong2* p) {   // two 64-bit words, each single-copy atomic
-    ulonglong2 v;
-    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_ll(unsigned long long* p, float v, unsigned ep) {   // LL: (value, epoch)
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(p), "l"((unsigned long long)ep << 32 | __float_as_uint(v))
-                 : "memory");
-}
-__device__ __forceinline__ bool ll_ready(ulonglong2 v, unsigned ep) {
-    return (unsigned)(v.x >> 32) == ep && (unsigned)(v.y >> 32) == ep;
-}
-// LL: x[0, k) from the (value, epoch) words at src once every word has this launch's epoch;
-// this lane's pairs i, i + 32 LOADERS, ...: LLV at a time, those not there yet polled again
-// together. false: gave up.
-__device__ __forceinline__ bool ll_load(float* x, const unsigned long long* src, int k, int i, unsigned ep,
-                                        int* err) {
-    const int n = k / 2, step = 32 * LOADERS;
-    const ulonglong2* s2 = reinterpret_cast<const ulonglong2*>(src);
-    float2* x2 = reinterpret_cast<float2*>(x);
-    for (int c0 = i; c0 < n; c0 += step * LLV) {
-        unsigned pend = 0;
-#pragma unroll
-        for (int j = 0; j < LLV; j++)
-            if (c0 + step * j < n) pend |= 1u << j;
-        const long long t0 = clock64();
-        while (pend) {
-            ulonglong2 v[LLV];
-#pragma unroll
-            for (int j = 0; j < LLV; j++)
-                if (pend >> j & 1) v[j] = ld_relaxed_v2(s2 + c0 + step * j);
-#pragma unroll
-            for (int j = 0; j < LLV; j++)
-                if ((pend >> j & 1) && ll_ready(v[j], ep)) {
-                    x2[c0 + step * j] = make_float2(__uint_as_float((unsigned)v[j].x), __uint_as_float((unsigned)v[j].y));
-                    pend &= ~(1u << j);
-                }
-            if (pend && clock64() - t0 > 2000000000ll) { atomicExch(err, 1); return false; }
-        }
-    }
-    return true;
 }
 __device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b) {   // 8 bf16 weights . 8 fp32 x
     return bf16_lo(w.x) * a.x + bf16_hi(w.x) * a.y + bf16_lo(w.y) * a.z + bf16_hi(w.y) * a.w
@@ -175,11 +123,11 @@ __device__ __forceinline__ void team_sync(int team) {   // the SPLIT warps of a 
     if (SPLIT == 1) __syncwarp();
     else asm volatile("bar.sync %0, %1;" :: "r"(1 + team), "n"(32 * SPLIT) : "memory");
 }
-// A team's rows [0, R) into y (LL: and yll): warp h of the team adds its share; lane 0 of warp 0
-// stores the sums (warp 0's share, then the others' in order; part: the team's RB (SPLIT - 1) floats).
+// A team's rows [0, R) into y: warp h of the team adds its share; lane 0 of warp 0 stores
+// the sums (warp 0's share, then the others' in order; part: the team's RB (SPLIT - 1) floats).
 template <int R>
 __device__ __forceinline__ void team_rows(const uint4* tile, const float4* x4, int kv, int h, int lane, int team,
-                                          float* part, float* y, unsigned long long* yll, unsigned ep) {
+                                          float* part, float* y) {
     float s[R];
     rows_dot<R>(tile, x4, kv, 32 * h + lane, s);
     if (SPLIT > 1) {
@@ -192,10 +140,7 @@ __device__ __forceinline__ void team_rows(const uint4* tile, const float4* x4, i
         team_sync(team);                              // part read before the next rows write it
     }
     if (h == 0 && lane == 0)
-        for (int q = 0; q < R; q++) {
-            y[q] = s[q];
-            if (LL) st_ll(yll + q, s[q], ep);
-        }
+        for (int q = 0; q < R; q++) y[q] = s[q];
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -203,7 +148,6 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
          float* act,                                  // fp32: the input, every phase's y
          const long long* gtable, int phases, int total,  // [phases <= MAXPH, COLS]; tiles of all phases
          int* done, int* err,                         // [phases + 1]: tiles done a phase, programs done
-         unsigned long long* ll, int* epoch,          // LL: act's values as (value, epoch) words; the last launch's epoch
          unsigned long long* marks)                   // MARKS: [G, phases, M_COLS]
 {
     extern __shared__ __align__(1024) unsigned char sm[];
@@ -214,7 +158,6 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
     __shared__ int ready[MAXPH];                     // PUBLISHER: the program's tiles done a phase
     const int t = threadIdx.x, warp = t / 32, lane = t % 32, g = blockIdx.x, G = gridDim.x;
     const int team = warp / SPLIT, h = warp % SPLIT;
-    const unsigned ep = LL ? (unsigned)*epoch + 1 : 0;
     for (int i = t; i < phases * COLS; i += THREADS) table[i] = gtable[i];
     for (int i = t; i < phases; i += THREADS) ready[i] = 0;
     auto end = [&](int q) { return table[q * COLS + FIRST] + table[q * COLS + TILES]; };   // past phase q's tiles
@@ -225,7 +168,7 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
 #endif
     if (t == 0) {
         for (int s = 0; s < SLOTS; s++) { mbar_init(smem_addr(full + s), 1); mbar_init(smem_addr(empty + s), 1); }
-        for (int b = 0; b < 2; b++) { mbar_init(smem_addr(xfull + b), LOADERS); mbar_init(smem_addr(xempty + b), CONSUMERS); }
+        for (int b = 0; b < 2; b++) { mbar_init(smem_addr(xfull + b), 1); mbar_init(smem_addr(xempty + b), CONSUMERS); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -242,40 +185,26 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
                           smem_addr(full + s));
             }
         }
-    } else if (warp > CONSUMERS && warp <= CONSUMERS + LOADERS) {   // the x loaders
-        const int lw = warp - CONSUMERS - 1;
-        for (int u = g, p = 0, n = -1; u < total; u += G) {
-            if (u < end(p) && n >= 0) continue;      // same phase as the tile before
-            while (u >= end(p)) p++;
-            const long long* ph = table + p * COLS;
-            const int b = ++n & 1, src = (int)ph[SRC];
-            float* x = xs + b * KMAX;
-            const long long c0 = clock64();
-            bool ok = n < 2 || lane > 0 || mbar_wait(smem_addr(xempty + b), ((n >> 1) - 1) & 1, err);
-            if (!__shfl_sync(0xffffffffu, ok, 0)) break;
-            const long long c1 = clock64();
-            if (LL && src >= 0) {                     // every lane: poll x itself
-                if (!ll_load(x, ll + ph[X_OFF], (int)ph[K], 32 * lw + lane, ep, err)) break;
-                __threadfence_block();
-                __syncwarp();
-                if (lane == 0) {
-                    if (lw == 0) { mark(p, M_XBUF, c1 - c0); mark(p, M_INPUT, clock64() - c1); }
-                    mbar_arrive(smem_addr(xfull + b));
-                }
-            } else if (lane == 0 && lw > 0) {         // LL, x from the input: loader 0's bulk copy
-                mbar_arrive(smem_addr(xfull + b));
-            } else if (lane == 0) {
+    } else if (warp == CONSUMERS + 1) {               // the x loader
+        if (lane == 0) {
+            for (int u = g, p = 0, n = -1; u < total; u += G) {
+                if (u < end(p) && n >= 0) continue;  // same phase as the tile before
+                while (u >= end(p)) p++;
+                const long long* ph = table + p * COLS;
+                const int b = ++n & 1, src = (int)ph[SRC];
+                const long long c0 = clock64();
+                if (n >= 2 && !mbar_wait(smem_addr(xempty + b), ((n >> 1) - 1) & 1, err)) break;
+                const long long c1 = clock64();
                 if (src >= 0) {
                     wait_until([&] { return ld_relaxed(done + src) >= (int)table[src * COLS + TILES]; }, err);
                     asm volatile("fence.acq_rel.gpu;\n\tfence.proxy.async.global;" ::: "memory");
                 }
-                if (LL) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // after the loaders' own writes
                 mark(p, M_XBUF, c1 - c0);
                 mark(p, M_INPUT, clock64() - c1);
-                bulk_load(x, act + ph[X_OFF], (unsigned)(ph[K] * 4), smem_addr(xfull + b));
+                bulk_load(xs + b * KMAX, act + ph[X_OFF], (unsigned)(ph[K] * 4), smem_addr(xfull + b));
             }
         }
-    } else if (warp == CONSUMERS + 1 + LOADERS) {     // PUBLISHER: the publisher
+    } else if (warp == CONSUMERS + 2) {               // PUBLISHER: the publisher
         if (lane == 0) {
             for (int u = g, p = 0, cnt = 0;; u += G, cnt++) {   // cnt: the program's tiles of phase p so far
                 if (u >= total || u >= end(p)) {     // phase p's tiles here all counted: publish them once done
@@ -314,11 +243,9 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
             const uint4* tile = reinterpret_cast<const uint4*>(sm + s * SLOT);
             const float4* x4 = reinterpret_cast<const float4*>(xs + (n & 1) * KMAX);
             float* y = act + ph[Y_OFF] + r0;
-            unsigned long long* yll = ll + ph[Y_OFF] + r0;
             int r = 0;
-            for (; r + RB <= rows; r += RB)
-                team_rows<RB>(tile + r * kv, x4, kv, h, lane, team, part[team], y + r, yll + r, ep);
-            for (; r < rows; r++) team_rows<1>(tile + r * kv, x4, kv, h, lane, team, part[team], y + r, yll + r, ep);
+            for (; r + RB <= rows; r += RB) team_rows<RB>(tile + r * kv, x4, kv, h, lane, team, part[team], y + r);
+            for (; r < rows; r++) team_rows<1>(tile + r * kv, x4, kv, h, lane, team, part[team], y + r);
             team_sync(team);                          // every warp of the team done with the slot
             mine++;
             const bool last = u + TEAMS * G >= end(p);   // the team's last tile of the phase
@@ -328,7 +255,7 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
                 if (last && PUBLISHER)                // hand the team's tiles of the phase to the publisher
                     asm volatile("red.release.cta.shared::cta.add.s32 [%0], %1;" :: "r"(smem_addr(ready + p)), "r"(mine)
                                  : "memory");
-                else if (last && !LL)                 // publish them
+                else if (last)                        // publish them
                     asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(done + p), "r"(mine) : "memory");
                 mark(p, M_MULT, c2 - c1);
                 if (!PUBLISHER) mark(p, M_PUBLISH, clock64() - c2);
@@ -340,9 +267,7 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
     if (t == 0) {                                     // the last program out resets the counters
         int old;
         asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(done + phases) : "memory");
-        if (old == G - 1) {
+        if (old == G - 1)
             for (int q = 0; q <= phases; q++) done[q] = 0;
-            if (LL) *epoch = (int)ep;
-        }
     }
 }

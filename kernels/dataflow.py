@@ -36,7 +36,6 @@ MAX_PHASES = 64                  # (MAXPH)
 TEAMS = 8                        # consumer teams, a tile each (kernels/dataflow.cu)
 SPLIT = 1                        # warps a team
 RB, VECS = 4, 4                  # rows a team multiplies at once; 16-byte vectors of each a lane loads first
-LLV = 8                          # LL: 16-byte pairs a loader lane polls at once
 COLS = 9                         # table columns: W_OFF N K X_OFF Y_OFF SRC BN TILES FIRST
 MARKS = ("wait input", "wait x buffer", "wait x", "wait tiles", "multiply", "publish", "tiles")   # dataflow.cu M_*
 SHARED_MAX = 227 * 1024          # dynamic shared memory of a program, at most (H100/H200)
@@ -52,7 +51,6 @@ class Plan:
     total: int
     kmax: int
     slot: int
-    ll: torch.Tensor    # the activations as (value, epoch) 64-bit words (`run(ll=True)`)
 
 
 def plan(chain: Chain, slot: int = SLOT, spread: bool = True) -> Plan:
@@ -74,34 +72,30 @@ def plan(chain: Chain, slot: int = SLOT, spread: bool = True) -> Plan:
         rows.append([r[W_OFF], r[N], r[K], r[X_OFF], r[Y_OFF], src, bn, tiles, first])
         first += tiles
     return Plan(chain, torch.tensor(rows, dtype=torch.int64, device=chain.act.device), rows, first,
-                max(k for _, k, _ in chain.shapes), slot, torch.zeros_like(chain.act, dtype=torch.int64))
+                max(k for _, k, _ in chain.shapes), slot)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(slots: int, slot: int, kmax: int, split: int, rb: int, vecs: int, publisher: bool, ll: int, marks: bool,
+def _kernel(slots: int, slot: int, kmax: int, split: int, rb: int, vecs: int, publisher: bool, marks: bool,
             device: torch.device):
     from kernels.cuda import Kernel
     return Kernel("dataflow.cu", "dataflow", {"SLOTS": slots, "SLOT": slot, "KMAX": kmax, "SPLIT": split, "RB": rb,
-                                              "VECS": vecs, "PUBLISHER": int(publisher), "LL": int(ll > 0),
-                                              "LLV": ll or LLV, "MARKS": int(marks)}, device)
+                                              "VECS": vecs, "PUBLISHER": int(publisher), "MARKS": int(marks)}, device)
 
 
 @functools.lru_cache(maxsize=None)
 def _state(device: torch.device, phases: int) -> torch.Tensor:
-    """Counters: tiles done a phase, programs done (zero between launches), the error flag, the
-    last launch's epoch (LL)."""
-    return torch.zeros(phases + 3, dtype=torch.int32, device=device)
+    """Counters: tiles done a phase, programs done (zero between launches), the error flag."""
+    return torch.zeros(phases + 2, dtype=torch.int32, device=device)
 
 
 def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = SPLIT, rb: int = RB,
-        vecs: int = VECS, publisher: bool = False, ll: int = 0, marks: torch.Tensor | None = None) -> torch.Tensor:
+        vecs: int = VECS, publisher: bool = False, marks: torch.Tensor | None = None) -> torch.Tensor:
     """Run the chain in one launch of `programs` programs (default: one an SM; all must be
     resident at once, so nothing else may run beside it) with a ring of `slots` slots,
     consumer teams of `split` warps (1 or 2) that multiply `rb` rows at once, loading `vecs`
     16-byte vectors of each row a lane (a multiple of `split`) before the sums, and
-    (publisher) a lane that publishes the program's finished phases for them, or (ll > 0)
-    no publishing at all: each output also stored as a (value, epoch) word, four loader warps
-    polling x itself, `ll` 16-byte pairs a lane at once;
+    (publisher) a lane that publishes the program's finished phases for them;
     returns the last phase's output (a view of the chain's activations). `gave_up` tells
     whether a wait timed out. marks: int64 `[programs, phases, len(MARKS)]` (a build that
     writes them): a program's cycles a phase in its x loader waiting for the input and for a
@@ -117,8 +111,6 @@ def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = 
         raise ValueError(f"{slots} slots, {split} warps a team, {rb} rows, {vecs} vectors: slots a multiple of "
                          f"{TEAMS} (a slot belongs to one consumer team), 1 or 2 warps a team, 1 to 8 rows, "
                          "vectors a multiple of the warps")
-    if not 0 <= ll <= 32 or (ll and publisher):
-        raise ValueError(f"ll = {ll}: 0 (counters) or 1 to 32 pairs a lane, and no publisher with it")
     shared = slots * pl.slot + 2 * pl.kmax * 4
     if shared > SHARED_MAX - 8 * 1024:                               # the kernel's static arrays
         raise ValueError(f"{slots} slots of {pl.slot} bytes and two x buffers of K = {pl.kmax} "
@@ -128,13 +120,12 @@ def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = 
     want = (programs, phases, len(MARKS))
     if marks is not None and (marks.shape != want or marks.dtype != torch.int64):
         raise ValueError(f"marks must be int64 {list(want)}, got {marks.dtype} {tuple(marks.shape)}")
-    _kernel(slots, pl.slot, pl.kmax, split, rb, vecs, publisher, ll, marks is not None, device)(
-        programs, 32 * (TEAMS * split + 1 + (4 if ll else 1) + publisher), shared,
-        [pl.chain.w, pl.chain.act, pl.table, phases, pl.total, state, state[phases + 1:], pl.ll, state[phases + 2:],
-         marks])
+    _kernel(slots, pl.slot, pl.kmax, split, rb, vecs, publisher, marks is not None, device)(
+        programs, 32 * (TEAMS * split + 2 + publisher), shared,
+        [pl.chain.w, pl.chain.act, pl.table, phases, pl.total, state, state[phases + 1:], marks])
     return pl.chain.output()
 
 
 def gave_up(pl: Plan) -> bool:
     """Whether a launch of this plan's size gave up waiting (a program not resident; synchronises)."""
-    return bool(_state(pl.table.device, len(pl.rows))[len(pl.rows) + 1].item())
+    return bool(_state(pl.table.device, len(pl.rows))[-1].item())
