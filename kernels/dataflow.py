@@ -15,12 +15,12 @@ SLOT bytes an SM), so a dependency costs only what the ring cannot cover. Same m
 tile owns whole rows). `scripts/gpu/chain_probe.py` times it against the launch chain
 (`dataflow` modes), `scripts/gpu/dataflow_profile.py` shows where its time goes (marks, ncu).
 
-Measured (H200, docs/BENCHMARKS.md decode sessions 16-17): correct; its stream alone (the same
-phases without dependencies) reaches 23.8 us a layer, 1.54x the copy floor of 15.5, but with
-the dependencies it takes 35.4, slower than the engine's launches (29.6): a dependency costs
-~1.9 us in the K2.6 chain and 2.2 in a chain of tiny phases, against 1.09 for a launch with
-PDL (a release under the weight stream takes 1-4 us; the next phase's x waits for the whole
-producing phase).
+Measured (H200, docs/BENCHMARKS.md decode sessions 16-18): correct; its stream alone (the same
+phases without dependencies) reaches 20.5 us a layer with the publisher lane, 1.32x the copy
+floor of 15.5, but with the dependencies it takes 34.3, slower than the engine's launches
+(29.6): a dependency costs ~2.2 us in a chain of tiny phases against 1.09 for a launch with
+PDL, and carrying it in the data instead (NCCL's LL protocol, session 18, removed) made it
+2.1 us: what it costs is the memory round trips, not the release and copy around them.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """kernels.dataflow (a chain of GEMVs in one persistent CUDA launch, its weight stream running
 ahead of the dependencies): its tiling on CPU; on the GPU the kernel against the chain's fp32
 reference on fresh random weights, three times in a row (the counters reset; the third on a
-new input), in a replayed CUDA graph, with phases that read the input or an earlier phase than the one before."""
+new input), in a replayed CUDA graph, with phases that read the input or an earlier phase
+than the one before."""
 import pytest
 import torch
 
