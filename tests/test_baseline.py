@@ -118,7 +118,9 @@ def test_openai_single_token_chunks_with_usage(tmp_path):
     assert num(row["median_itl_ms"]) == pytest.approx(1e3 * gap, rel=REL)
     assert num(row["p90_itl_ms"]) == pytest.approx(1e3 * gap, rel=REL)
     assert num(row["median_e2e_latency_ms"]) == pytest.approx(1e3 * (ttft + (n - 1) * gap), rel=REL)
-    assert num(row["output_tok_per_s"]) == pytest.approx(6 * n / (2 * (ttft + (n - 1) * gap)), rel=REL)
+    ideal = 2 * (ttft + (n - 1) * gap)  # two waves; a loaded CI box adds to it (see above)
+    assert ideal * (1 - 0.01) <= num(row["duration_s"]) <= ideal * 1.25
+    assert num(row["output_tok_per_s"]) == pytest.approx(6 * n / num(row["duration_s"]))
     assert row["accept_length"] == ""  # no verify counts on this API
     assert all(r["tokens_from"] == "server" and r["prompt_tokens"] == "16" for r in reqs)
 
