@@ -11,7 +11,7 @@
 // - the x loader (one lane), at each phase in which the program has tiles, waits until every
 //   tile of the phase it reads is done (a counter a phase in global memory: relaxed polls, then
 //   an acquire fence and a proxy fence, since a bulk copy reads what other programs stored),
-//   then copies x_p with one bulk copy into one of XBUF x buffers (`xfull`), once the consumers
+//   then copies x_p with one bulk copy into one of two x buffers (`xfull`), once the consumers
 //   have left the phase that used that buffer before (`xempty`);
 // - TEAMS teams of SPLIT consumer warps take the tiles round robin (tile i: team i % TEAMS;
 //   SLOTS is a multiple of TEAMS, so a slot's tiles are all one team's, which has taken the
@@ -30,8 +30,7 @@
 // The last program to finish sets the counters to zero again for the next launch. A wait that
 // lasts over ~1 s (a program not resident) gives up and sets *err instead of hanging the GPU.
 //
-// Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), XBUF (x buffers:
-// how many phases the fastest team may run ahead of the slowest, plus one), SPLIT (warps a
+// Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), SPLIT (warps a
 // team), RB (rows a team multiplies at once), VECS (16-byte vectors of each of those rows a
 // team's lane loads before it multiplies; a multiple of SPLIT), PUBLISHER (1: the publisher lane above), MARKS (1: where a (program, phase)'s cycles
 // go: kernels/dataflow.py `run(marks=)`).
@@ -152,8 +151,8 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
          unsigned long long* marks)                   // MARKS: [G, phases, M_COLS]
 {
     extern __shared__ __align__(1024) unsigned char sm[];
-    float* xs = reinterpret_cast<float*>(sm + SLOTS * SLOT);   // [XBUF][KMAX]
-    __shared__ __align__(8) unsigned long long full[SLOTS], empty[SLOTS], xfull[XBUF], xempty[XBUF];
+    float* xs = reinterpret_cast<float*>(sm + SLOTS * SLOT);   // [2][KMAX]
+    __shared__ __align__(8) unsigned long long full[SLOTS], empty[SLOTS], xfull[2], xempty[2];
     __shared__ long long table[MAXPH * COLS];        // the phase table, walked at every tile
     __shared__ float part[TEAMS][RB * SPLIT];        // a team's other warps' sums (team_rows)
     __shared__ int ready[MAXPH];                     // PUBLISHER: the program's tiles done a phase
@@ -169,7 +168,7 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
 #endif
     if (t == 0) {
         for (int s = 0; s < SLOTS; s++) { mbar_init(smem_addr(full + s), 1); mbar_init(smem_addr(empty + s), 1); }
-        for (int b = 0; b < XBUF; b++) { mbar_init(smem_addr(xfull + b), 1); mbar_init(smem_addr(xempty + b), CONSUMERS); }
+        for (int b = 0; b < 2; b++) { mbar_init(smem_addr(xfull + b), 1); mbar_init(smem_addr(xempty + b), CONSUMERS); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -192,9 +191,9 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
                 if (u < end(p) && n >= 0) continue;  // same phase as the tile before
                 while (u >= end(p)) p++;
                 const long long* ph = table + p * COLS;
-                const int b = ++n % XBUF, src = (int)ph[SRC];
+                const int b = ++n & 1, src = (int)ph[SRC];
                 const long long c0 = clock64();
-                if (n >= XBUF && !mbar_wait(smem_addr(xempty + b), (n / XBUF - 1) & 1, err)) break;
+                if (n >= 2 && !mbar_wait(smem_addr(xempty + b), ((n >> 1) - 1) & 1, err)) break;
                 const long long c1 = clock64();
                 if (src >= 0) {
                     wait_until([&] { return ld_relaxed(done + src) >= (int)table[src * COLS + TILES]; }, err);
@@ -225,11 +224,11 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
         int p = 0, n = -1, mine = 0;                  // the phase of tile i, its index among the program's; tiles not yet published
         for (int i = 0, u = g; u < total; u += G, i++) {
             if (u >= end(p) || n < 0) {               // a new phase: leave the one before, wait for its x
-                if (n >= 0 && lane == 0) mbar_arrive(smem_addr(xempty + n % XBUF));
+                if (n >= 0 && lane == 0) mbar_arrive(smem_addr(xempty + (n & 1)));
                 while (u >= end(p)) p++;
                 n++;
                 const long long c0 = clock64();
-                mbar_wait(smem_addr(xfull + n % XBUF), (n / XBUF) & 1, err);
+                mbar_wait(smem_addr(xfull + (n & 1)), (n >> 1) & 1, err);
                 if (h == 0 && lane == 0) mark(p, M_X, clock64() - c0);
             }
             if (i % TEAMS != team) continue;
@@ -242,7 +241,7 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
             const bool lead = h == 0 && lane == 0;    // marks, frees the slot, publishes
             if (lead) { mark(p, M_TILE, c1 - c0); mark(p, M_TILES, 1); }
             const uint4* tile = reinterpret_cast<const uint4*>(sm + s * SLOT);
-            const float4* x4 = reinterpret_cast<const float4*>(xs + n % XBUF * KMAX);
+            const float4* x4 = reinterpret_cast<const float4*>(xs + (n & 1) * KMAX);
             float* y = act + ph[Y_OFF] + r0;
             int r = 0;
             for (; r + RB <= rows; r += RB) team_rows<RB>(tile + r * kv, x4, kv, h, lane, team, part[team], y + r);
