@@ -1,0 +1,88 @@
+// A latency probe, not used by the engine (kernels/hop_probe.py, scripts/gpu/hop_probe.py): what
+// one dependency between two SMs costs through global memory, alone: the floor under a persistent
+// kernel's software dependency (kernels/dataflow.cu's hop measured ~2.2 us, a PDL launch ~1.1).
+// Programs 0 and 1 (one an SM: each asks for most of an SM's shared memory) pass a token back and
+// forth through flag[0]: program 0 waits for 2r and makes it 2r + 1, program 1 waits for 2r + 1
+// and makes it 2r + 2, for `rounds` rounds. MODE says how a program posts and polls:
+//   0: st.relaxed.gpu / ld.relaxed.gpu (a bare flag, as NCCL's LL protocol without the data)
+//   1: st.release.gpu / ld.acquire.gpu (a flag that orders the data written before it)
+//   2: red.release.gpu.add / ld.relaxed.gpu + fence.acq_rel.gpu (kernels/dataflow.cu's counter)
+//   3: as 2, then the data: a proxy fence and a bulk copy of `bytes` of x into shared memory,
+//      waited for on an mbarrier, before the token goes back (kernels/dataflow.cu's x loader)
+// The other programs, if any, stream their span of `buf` from DRAM until program 0 is done
+// (flag[1]), so the hop can be timed under a weight stream as a decode step has.
+// out[0]: %globaltimer ns of the rounds after the first WARM (program 0's view); out[1]: the
+// token at the end (2 rounds); out[2]: 1 if a wait gave up (~1 s).
+#include "common.cuh"
+
+#define WARM 16
+
+__device__ __forceinline__ int poll(const int* p) {
+    int v;
+#if MODE == 1
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#else
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#endif
+    return v;
+}
+__device__ __forceinline__ void post(int* p, int v) {   // the token was v - 1
+#if MODE == 0
+    asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+#elif MODE == 1
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+#else
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(p) : "memory");
+#endif
+}
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+hop(int* flag, int rounds, const uint4* buf, int span, const float* x, int bytes, unsigned long long* out)
+{
+    extern __shared__ __align__(128) unsigned char sm[];   // MODE 3: x lands here
+    __shared__ __align__(8) unsigned long long bar;
+    if (blockIdx.x < 2) {
+        if (threadIdx.x != 0) return;
+        const int me = blockIdx.x;
+        if (MODE == 3) {
+            mbar_init(smem_addr(&bar), 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        unsigned long long t0 = 0;
+        for (int r = 0; r < rounds; r++) {
+            if (me == 0 && r == WARM) t0 = now_ns();
+            const long long c0 = clock64();
+            while (poll(flag) != 2 * r + me)
+                if (clock64() - c0 > 2000000000ll) { out[2] = 1; flag[1] = 1; return; }
+            if (MODE >= 2) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            if (MODE == 3) {
+                asm volatile("fence.proxy.async.global;" ::: "memory");
+                bulk_load(sm, x, bytes, smem_addr(&bar));
+                while (!mbar_done(smem_addr(&bar), r & 1)) {}
+            }
+            post(flag, 2 * r + me + 1);
+        }
+        if (me == 0) {
+            const long long c0 = clock64();
+            while (poll(flag) != 2 * rounds)
+                if (clock64() - c0 > 2000000000ll) { out[2] = 1; break; }
+            out[0] = now_ns() - t0;
+            out[1] = poll(flag);
+            asm volatile("st.relaxed.gpu.global.s32 [%0], 1;" :: "l"(flag + 1) : "memory");
+        }
+        return;
+    }
+    const uint4* base = buf + (long long)(blockIdx.x - 2) * span;   // the stream: span 16-byte words a program
+    unsigned acc = 0;
+    while (!poll(flag + 1))
+        for (long long i = threadIdx.x; i < span; i += blockDim.x) {
+            const uint4 v = ld_v4(base + i);
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+    if (acc == 0x9e3779b9u) out[3] = acc;                 // keeps the loads
+}

@@ -1,0 +1,37 @@
+"""What one dependency between two SMs costs through global memory, alone (kernels/hop_probe.py;
+H200): a token passed back and forth between two programs, by flag kind, idle and under a DRAM
+stream from every other SM. The floor under a persistent kernel's software dependency, against a
+PDL launch (~1.1 us, `chain_probe.py`'s tiny chain) and the dataflow kernel's hop (~2.2 us).
+
+python3 scripts/gpu/hop_probe.py [OUT_DIR] -> OUT_DIR/hop_probe.csv. A few seconds.
+"""
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kernels import hop_probe  # noqa: E402
+
+out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+out.mkdir(parents=True, exist_ok=True)
+stream = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device="cuda")   # 2 GiB: well past L2
+rows = []
+CASES = [(m, 1024) for m in hop_probe.MODES] + [("counter + x", 28 * 1024)]   # x of 256 / 7168 fp32
+for mode, x_bytes in CASES:
+    for load, buf in (("idle", None), ("DRAM stream", stream)):
+        runs = [hop_probe.hop_ns(mode, 20000, buf, x_bytes) for _ in range(3)]
+        ok = all(token == 2 * 20000 and not gave_up for _, token, gave_up in runs)
+        ns = [r[0] for r in runs]
+        rows.append({"mode": mode, "x_bytes": x_bytes if mode == "counter + x" else "", "load": load, "ns_per_hop": round(statistics.median(ns), 1),
+                     "min_ns": round(min(ns), 1), "max_ns": round(max(ns), 1), "ok": ok})
+        print(rows[-1], flush=True)
+with open(out / "hop_probe.csv", "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+print("\n| flag | x bytes | load | ns a hop (median of 3, min-max) | every hop |\n|---|---|---|---|---|")
+for r in rows:
+    print(f"| {r['mode']} | {r['x_bytes']} | {r['load']} | {r['ns_per_hop']} ({r['min_ns']}-{r['max_ns']}) | {r['ok']} |")

@@ -1,0 +1,25 @@
+"""kernels.hop_probe (a token passed between two SMs): every hop happens, in every flag kind,
+idle and under a stream; its arguments are checked before anything runs."""
+import pytest
+import torch
+
+from kernels import hop_probe
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="mode"):
+        hop_probe.hop_ns("fence")
+    with pytest.raises(ValueError, match="rounds"):
+        hop_probe.hop_ns("relaxed", rounds=hop_probe.WARM)
+    with pytest.raises(ValueError, match="x_bytes"):
+        hop_probe.hop_ns("counter + x", x_bytes=100)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(hop_probe.MODES))
+@pytest.mark.parametrize("streaming", [False, True])
+def test_gpu_every_hop_happens(mode, streaming):
+    buf = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, device="cuda") if streaming else None
+    ns, token, gave_up = hop_probe.hop_ns(mode, rounds=300, stream=buf)
+    assert token == 600 and not gave_up
+    assert 50 < ns < 100_000                       # a hop is more than an SM's own clock and far less than 0.1 ms
