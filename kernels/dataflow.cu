@@ -9,9 +9,7 @@
 //   copy (cp.async.bulk, completion on the slot's `full` mbarrier) as soon as the slot is free:
 //   weights depend on nothing, so the stream runs ahead of the dependencies by the ring;
 // - the x loader (one lane), at each phase in which the program has tiles, waits until every
-//   tile of the phase it reads is done (GROUPS counters a phase in global memory, program g
-//   adding to counter g % GROUPS, so that 132 programs do not queue on one address; relaxed
-//   polls, one a lane, then
+//   tile of the phase it reads is done (a counter a phase in global memory: relaxed polls, then
 //   an acquire fence and a proxy fence, since a bulk copy reads what other programs stored),
 //   then copies x_p with one bulk copy into one of two x buffers (`xfull`), once the consumers
 //   have left the phase that used that buffer before (`xempty`);
@@ -33,7 +31,7 @@
 // lasts over ~1 s (a program not resident) gives up and sets *err instead of hanging the GPU.
 //
 // Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), SPLIT (warps a
-// team), GROUPS (counters a phase), RB (rows a team multiplies at once), VECS (16-byte vectors of each of those rows a
+// team), RB (rows a team multiplies at once), VECS (16-byte vectors of each of those rows a
 // team's lane loads before it multiplies; a multiple of SPLIT), PUBLISHER (1: the publisher lane above), MARKS (1: where a (program, phase)'s cycles
 // go: kernels/dataflow.py `run(marks=)`).
 #include "common.cuh"
@@ -58,10 +56,6 @@ __device__ __forceinline__ bool wait_until(F ready, int* err) {   // false: gave
 }
 __device__ __forceinline__ bool mbar_wait(unsigned bar, unsigned parity, int* err) {   // false: gave up
     return wait_until([&] { return mbar_done(bar, parity); }, err);
-}
-__device__ __forceinline__ int group_tiles_below(int x, int j, int G) {   // tiles u < x on programs j mod GROUPS
-    const int r = x % G;                      // (tile u is program u % G's)
-    return x / G * ((G - 1 - j) / GROUPS + 1) + (r > j ? (r - 1 - j) / GROUPS + 1 : 0);
 }
 __device__ __forceinline__ int ld_acquire_cta(const int* p) {   // shared memory
     int v;
@@ -137,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 dataflow(const unsigned short* w,                     // bf16, every phase's W [N, K] row-major at W_OFF
          float* act,                                  // fp32: the input, every phase's y
          const long long* gtable, int phases, int total,  // [phases <= MAXPH, COLS]; tiles of all phases
-         int* done, int* err,                         // [1 + phases x GROUPS]: programs done, then tiles done a phase a group
+         int* done, int* err,                         // [phases + 1]: tiles done a phase, programs done
          unsigned long long* marks)                   // MARKS: [G, phases, M_COLS]
 {
     extern __shared__ __align__(1024) unsigned char sm[];
@@ -175,25 +169,20 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
                           smem_addr(full + s));
             }
         }
-    } else if (warp == CONSUMERS + 1) {               // the x loader: lane 0, and a lane a counter while it polls
-        for (int u = g, p = 0, n = -1; u < total; u += G) {
-            if (u < end(p) && n >= 0) continue;      // same phase as the tile before
-            while (u >= end(p)) p++;
-            const long long* ph = table + p * COLS;
-            const int b = ++n & 1, src = (int)ph[SRC];
-            const long long c0 = clock64();
-            const bool ok = n < 2 || lane > 0 || mbar_wait(smem_addr(xempty + b), ((n >> 1) - 1) & 1, err);
-            if (!__shfl_sync(~0u, ok, 0)) break;
-            const long long c1 = clock64();
-            if (src >= 0) {
-                const int a0 = (int)table[src * COLS + FIRST], a1 = a0 + (int)table[src * COLS + TILES];
-                const int want = lane < GROUPS ? group_tiles_below(a1, lane, G) - group_tiles_below(a0, lane, G) : 0;
-                const int* ctr = done + 1 + src * GROUPS + lane;
-                while (!__all_sync(~0u, lane >= GROUPS || ld_relaxed(ctr) >= want))
-                    if (__shfl_sync(~0u, clock64() - c1 > 2000000000ll, 0)) { atomicExch(err, 1); break; }
-                if (lane == 0) asm volatile("fence.acq_rel.gpu;\n\tfence.proxy.async.global;" ::: "memory");
-            }
-            if (lane == 0) {
+    } else if (warp == CONSUMERS + 1) {               // the x loader
+        if (lane == 0) {
+            for (int u = g, p = 0, n = -1; u < total; u += G) {
+                if (u < end(p) && n >= 0) continue;  // same phase as the tile before
+                while (u >= end(p)) p++;
+                const long long* ph = table + p * COLS;
+                const int b = ++n & 1, src = (int)ph[SRC];
+                const long long c0 = clock64();
+                if (n >= 2 && !mbar_wait(smem_addr(xempty + b), ((n >> 1) - 1) & 1, err)) break;
+                const long long c1 = clock64();
+                if (src >= 0) {
+                    wait_until([&] { return ld_relaxed(done + src) >= (int)table[src * COLS + TILES]; }, err);
+                    asm volatile("fence.acq_rel.gpu;\n\tfence.proxy.async.global;" ::: "memory");
+                }
                 mark(p, M_XBUF, c1 - c0);
                 mark(p, M_INPUT, clock64() - c1);
                 bulk_load(xs + b * KMAX, act + ph[X_OFF], (unsigned)(ph[K] * 4), smem_addr(xfull + b));
@@ -206,8 +195,7 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
                     if (cnt > 0) {
                         wait_until([&] { return ld_acquire_cta(ready + p) >= cnt; }, err);
                         const long long c1 = clock64();   // cumulative: orders the teams' stores it acquired
-                        asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(done + 1 + p * GROUPS + g % GROUPS),
-                                     "r"(cnt) : "memory");
+                        asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(done + p), "r"(cnt) : "memory");
                         mark(p, M_PUBLISH, clock64() - c1);
                     }
                     if (u >= total) break;
@@ -252,8 +240,7 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
                     asm volatile("red.release.cta.shared::cta.add.s32 [%0], %1;" :: "r"(smem_addr(ready + p)), "r"(mine)
                                  : "memory");
                 else if (last)                        // publish them
-                    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(done + 1 + p * GROUPS + g % GROUPS),
-                                 "r"(mine) : "memory");
+                    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(done + p), "r"(mine) : "memory");
                 mark(p, M_MULT, c2 - c1);
                 if (!PUBLISHER) mark(p, M_PUBLISH, clock64() - c2);
             }
@@ -263,8 +250,8 @@ dataflow(const unsigned short* w,                     // bf16, every phase's W [
     __syncthreads();
     if (t == 0) {                                     // the last program out resets the counters
         int old;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(done) : "memory");
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(done + phases) : "memory");
         if (old == G - 1)
-            for (int q = 0; q <= phases * GROUPS; q++) done[q] = 0;
+            for (int q = 0; q <= phases; q++) done[q] = 0;
     }
 }

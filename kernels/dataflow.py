@@ -37,7 +37,6 @@ MAX_PHASES = 64                  # (MAXPH)
 TEAMS = 8                        # consumer teams, a tile each (kernels/dataflow.cu)
 SPLIT = 1                        # warps a team
 RB, VECS = 4, 4                  # rows a team multiplies at once; 16-byte vectors of each a lane loads first
-GROUPS, MAX_GROUPS = 1, 32       # completion counters a phase (program g adds to g % GROUPS): a loader lane each
 COLS = 9                         # table columns: W_OFF N K X_OFF Y_OFF SRC BN TILES FIRST
 MARKS = ("wait input", "wait x buffer", "wait x", "wait tiles", "multiply", "publish", "tiles")   # dataflow.cu M_*
 SHARED_MAX = 227 * 1024          # dynamic shared memory of a program, at most (H100/H200)
@@ -78,29 +77,25 @@ def plan(chain: Chain, slot: int = SLOT, spread: bool = True) -> Plan:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(slots: int, slot: int, kmax: int, split: int, rb: int, vecs: int, groups: int, publisher: bool,
-            marks: bool, device: torch.device):
+def _kernel(slots: int, slot: int, kmax: int, split: int, rb: int, vecs: int, publisher: bool, marks: bool,
+            device: torch.device):
     from kernels.cuda import Kernel
     return Kernel("dataflow.cu", "dataflow", {"SLOTS": slots, "SLOT": slot, "KMAX": kmax, "SPLIT": split, "RB": rb,
-                                              "VECS": vecs, "GROUPS": groups, "PUBLISHER": int(publisher),
-                                              "MARKS": int(marks)}, device)
+                                              "VECS": vecs, "PUBLISHER": int(publisher), "MARKS": int(marks)}, device)
 
 
 @functools.lru_cache(maxsize=None)
 def _state(device: torch.device, phases: int) -> torch.Tensor:
-    """The error flag, then the counters (zero between launches): programs done, tiles done a
-    phase a group (room for MAX_GROUPS)."""
-    return torch.zeros(2 + phases * MAX_GROUPS, dtype=torch.int32, device=device)
+    """Counters: tiles done a phase, programs done (zero between launches), the error flag."""
+    return torch.zeros(phases + 2, dtype=torch.int32, device=device)
 
 
 def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = SPLIT, rb: int = RB,
-        vecs: int = VECS, groups: int = GROUPS, publisher: bool = False, marks: torch.Tensor | None = None
-        ) -> torch.Tensor:
+        vecs: int = VECS, publisher: bool = False, marks: torch.Tensor | None = None) -> torch.Tensor:
     """Run the chain in one launch of `programs` programs (default: one an SM; all must be
     resident at once, so nothing else may run beside it) with a ring of `slots` slots,
     consumer teams of `split` warps (1 or 2) that multiply `rb` rows at once, loading `vecs`
-    16-byte vectors of each row a lane (a multiple of `split`) before the sums, `groups`
-    completion counters a phase (1 to 32: the programs' adds spread over as many addresses), and
+    16-byte vectors of each row a lane (a multiple of `split`) before the sums, and
     (publisher) a lane that publishes the program's finished phases for them;
     returns the last phase's output (a view of the chain's activations). `gave_up` tells
     whether a wait timed out. marks: int64 `[programs, phases, len(MARKS)]` (a build that
@@ -113,8 +108,6 @@ def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = 
     programs = programs or sm_count(device)
     if programs > sm_count(device):
         raise ValueError(f"{programs} programs: at most one an SM ({sm_count(device)}) can be resident")
-    if not 1 <= groups <= MAX_GROUPS:
-        raise ValueError(f"{groups} counters a phase: 1 to {MAX_GROUPS} (a loader lane each)")
     if slots % TEAMS or split not in (1, 2) or not 1 <= rb <= 8 or vecs < 1 or vecs % split:
         raise ValueError(f"{slots} slots, {split} warps a team, {rb} rows, {vecs} vectors: slots a multiple of "
                          f"{TEAMS} (a slot belongs to one consumer team), 1 or 2 warps a team, 1 to 8 rows, "
@@ -128,12 +121,12 @@ def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = 
     want = (programs, phases, len(MARKS))
     if marks is not None and (marks.shape != want or marks.dtype != torch.int64):
         raise ValueError(f"marks must be int64 {list(want)}, got {marks.dtype} {tuple(marks.shape)}")
-    _kernel(slots, pl.slot, pl.kmax, split, rb, vecs, groups, publisher, marks is not None, device)(
+    _kernel(slots, pl.slot, pl.kmax, split, rb, vecs, publisher, marks is not None, device)(
         programs, 32 * (TEAMS * split + 2 + publisher), shared,
-        [pl.chain.w, pl.chain.act, pl.table, phases, pl.total, state[1:], state, marks])
+        [pl.chain.w, pl.chain.act, pl.table, phases, pl.total, state, state[phases + 1:], marks])
     return pl.chain.output()
 
 
 def gave_up(pl: Plan) -> bool:
     """Whether a launch of this plan's size gave up waiting (a program not resident; synchronises)."""
-    return bool(_state(pl.table.device, len(pl.rows))[0].item())
+    return bool(_state(pl.table.device, len(pl.rows))[-1].item())

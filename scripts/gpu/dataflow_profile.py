@@ -1,11 +1,10 @@
 """kernels.dataflow on the 4-layer K2.6 TP-8 dense chain of scripts/gpu/chain_probe.py (H200):
 where a program's consumer time goes, and a run for Nsight Compute.
 
-python3 scripts/gpu/dataflow_profile.py [free | tiny] [marks] [split2] [publisher] [gN]
+python3 scripts/gpu/dataflow_profile.py [free | tiny] [marks] [split2] [publisher]
   free:  every phase reads the input (no dependencies: the kernel's stream alone)
   split2: consumer teams of two warps
   publisher: a lane publishes the program's finished phases (the teams do not wait for it)
-  gN:    N completion counters a phase (programs spread over them)
   tiny:  the chain of 48 dependent 256 x 256 phases instead (what a dependency costs)
   marks: a build that counts where a program's waits go a phase (kernels.dataflow.MARKS); prints
          their means a phase of the layer (us at 1.98 GHz, the SM clock ncu reads under load)
@@ -16,7 +15,6 @@ ncu --clock-control none --kernel-name dataflow --launch-skip 2 --launch-count 1
     --section MemoryWorkloadAnalysis --section SourceCounters \
     python3 scripts/gpu/dataflow_profile.py [free]
 """
-import re
 import sys
 from pathlib import Path
 
@@ -29,7 +27,6 @@ from kernels import chain, dataflow  # noqa: E402
 free, with_marks = "free" in sys.argv[1:], "marks" in sys.argv[1:]
 split = 2 if "split2" in sys.argv[1:] else dataflow.SPLIT
 publisher = "publisher" in sys.argv[1:]
-groups = next((int(a[1:]) for a in sys.argv[1:] if re.fullmatch(r"g\d+", a)), dataflow.GROUPS)
 tiny = "tiny" in sys.argv[1:]
 shapes = ([(256, 256, p - 1) for p in range(48)] if tiny
           else chain.layers(preset("k2.6", tp=8).dense_shapes(), 4, free))
@@ -39,7 +36,7 @@ marks = torch.zeros(programs, len(shapes), len(dataflow.MARKS), dtype=torch.int6
 for _ in range(3):
     if marks is not None:
         marks.zero_()
-    dataflow.run(pl, split=split, groups=groups, publisher=publisher, marks=marks)
+    dataflow.run(pl, split=split, publisher=publisher, marks=marks)
 torch.cuda.synchronize()
 print("gave up:", dataflow.gave_up(pl))
 if marks is not None:
