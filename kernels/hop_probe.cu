@@ -9,10 +9,13 @@
 //   2: red.release.gpu.add / ld.relaxed.gpu + fence.acq_rel.gpu (kernels/dataflow.cu's counter)
 //   3: as 2, then the data: a proxy fence and a bulk copy of `bytes` of x into shared memory,
 //      waited for on an mbarrier, before the token goes back (kernels/dataflow.cu's x loader)
+//   4: all to one, as a dataflow phase completes: program 0 posts round r (st.release.gpu r + 1),
+//      every other program waits for it and adds 1 to flag[2] (red.release.gpu); program 0
+//      waits for all of them (relaxed polls, fence.acq_rel.gpu); a round is two hops
 // The other programs, if any, stream their span of `buf` from DRAM until program 0 is done
 // (flag[1]), so the hop can be timed under a weight stream as a decode step has.
 // out[0]: %globaltimer ns of the rounds after the first WARM (program 0's view); out[1]: the
-// token at the end (2 rounds); out[2]: 1 if a wait gave up (~1 s).
+// token at the end (2 rounds; MODE 4: flag[2], (programs - 1) rounds); out[2]: 1 if a wait gave up (~1 s).
 #include "common.cuh"
 
 #define WARM 16
@@ -46,6 +49,30 @@ hop(int* flag, int rounds, const uint4* buf, int span, const float* x, int bytes
 {
     extern __shared__ __align__(128) unsigned char sm[];   // MODE 3: x lands here
     __shared__ __align__(8) unsigned long long bar;
+#if MODE == 4
+    if (threadIdx.x != 0) return;
+    const int fan = gridDim.x - 1;
+    unsigned long long t0 = 0;
+    for (int r = 0; r < rounds; r++) {
+        const long long c0 = clock64();
+        if (blockIdx.x == 0) {
+            if (r == WARM) t0 = now_ns();
+            asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(flag), "r"(r + 1) : "memory");
+            while (poll(flag + 2) < fan * (r + 1))
+                if (clock64() - c0 > 2000000000ll) { out[2] = 1; return; }
+        } else {
+            while (poll(flag) < r + 1)
+                if (clock64() - c0 > 2000000000ll) { out[2] = 1; return; }
+            asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(flag + 2) : "memory");
+        }
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+    if (blockIdx.x == 0) {
+        out[0] = now_ns() - t0;
+        out[1] = poll(flag + 2);
+    }
+    return;
+#endif
     if (blockIdx.x < 2) {
         if (threadIdx.x != 0) return;
         const int me = blockIdx.x;

@@ -13,13 +13,22 @@ def test_bad_arguments_are_refused():
         hop_probe.hop_ns("relaxed", rounds=hop_probe.WARM)
     with pytest.raises(ValueError, match="x_bytes"):
         hop_probe.hop_ns("counter + x", x_bytes=100)
+    with pytest.raises(ValueError, match="stream"):
+        hop_probe.hop_ns("all to one", stream=torch.zeros(16, dtype=torch.uint8))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", list(hop_probe.MODES))
+@pytest.mark.parametrize("mode", [m for m in hop_probe.MODES if m != "all to one"])
 @pytest.mark.parametrize("streaming", [False, True])
 def test_gpu_every_hop_happens(mode, streaming):
     buf = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, device="cuda") if streaming else None
     ns, token, gave_up = hop_probe.hop_ns(mode, rounds=300, stream=buf)
     assert token == 600 and not gave_up
     assert 50 < ns < 100_000                       # a hop is more than an SM's own clock and far less than 0.1 ms
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fan", [1, 7, 131])
+def test_gpu_all_to_one_every_answer_counted(fan):
+    ns, token, gave_up = hop_probe.hop_ns("all to one", rounds=300, fan=fan)
+    assert token == fan * 300 and not gave_up and 50 < ns < 100_000
