@@ -31,7 +31,7 @@
 // lasts over ~1 s (a program not resident) gives up and sets *err instead of hanging the GPU.
 //
 // Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), SPLIT (warps a
-// team), SLEEP (ns a waiting lane sleeps between tries; 0: spins), RB (rows a team multiplies at once), VECS (16-byte vectors of each of those rows a
+// team), RB (rows a team multiplies at once), VECS (16-byte vectors of each of those rows a
 // team's lane loads before it multiplies; a multiple of SPLIT), PUBLISHER (1: the publisher lane above), MARKS (1: where a (program, phase)'s cycles
 // go: kernels/dataflow.py `run(marks=)`).
 #include "common.cuh"
@@ -50,10 +50,8 @@ enum { M_INPUT, M_XBUF, M_X, M_TILE, M_MULT, M_PUBLISH, M_TILES, M_COLS };   // 
 template <class F>
 __device__ __forceinline__ bool wait_until(F ready, int* err) {   // false: gave up after ~1 s, *err set
     const long long t0 = clock64();
-    while (!ready()) {
+    while (!ready())
         if (clock64() - t0 > 2000000000ll) { atomicExch(err, 1); return false; }
-        if (SLEEP) __nanosleep(SLEEP);       // leave the issue slots to the warps with work
-    }
     return true;
 }
 __device__ __forceinline__ bool mbar_wait(unsigned bar, unsigned parity, int* err) {   // false: gave up

@@ -37,7 +37,6 @@ MAX_PHASES = 64                  # (MAXPH)
 TEAMS = 8                        # consumer teams, a tile each (kernels/dataflow.cu)
 SPLIT = 1                        # warps a team
 RB, VECS = 4, 4                  # rows a team multiplies at once; 16-byte vectors of each a lane loads first
-SLEEP = 0                        # ns a waiting lane sleeps between tries (0: it spins)
 COLS = 9                         # table columns: W_OFF N K X_OFF Y_OFF SRC BN TILES FIRST
 MARKS = ("wait input", "wait x buffer", "wait x", "wait tiles", "multiply", "publish", "tiles")   # dataflow.cu M_*
 SHARED_MAX = 227 * 1024          # dynamic shared memory of a program, at most (H100/H200)
@@ -78,12 +77,11 @@ def plan(chain: Chain, slot: int = SLOT, spread: bool = True) -> Plan:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(slots: int, slot: int, kmax: int, split: int, rb: int, vecs: int, publisher: bool, sleep: int,
-            marks: bool, device: torch.device):
+def _kernel(slots: int, slot: int, kmax: int, split: int, rb: int, vecs: int, publisher: bool, marks: bool,
+            device: torch.device):
     from kernels.cuda import Kernel
     return Kernel("dataflow.cu", "dataflow", {"SLOTS": slots, "SLOT": slot, "KMAX": kmax, "SPLIT": split, "RB": rb,
-                                              "VECS": vecs, "PUBLISHER": int(publisher), "SLEEP": sleep,
-                                              "MARKS": int(marks)}, device)
+                                              "VECS": vecs, "PUBLISHER": int(publisher), "MARKS": int(marks)}, device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,8 +91,7 @@ def _state(device: torch.device, phases: int) -> torch.Tensor:
 
 
 def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = SPLIT, rb: int = RB,
-        vecs: int = VECS, publisher: bool = False, sleep: int = SLEEP, marks: torch.Tensor | None = None
-        ) -> torch.Tensor:
+        vecs: int = VECS, publisher: bool = False, marks: torch.Tensor | None = None) -> torch.Tensor:
     """Run the chain in one launch of `programs` programs (default: one an SM; all must be
     resident at once, so nothing else may run beside it) with a ring of `slots` slots,
     consumer teams of `split` warps (1 or 2) that multiply `rb` rows at once, loading `vecs`
@@ -124,7 +121,7 @@ def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = 
     want = (programs, phases, len(MARKS))
     if marks is not None and (marks.shape != want or marks.dtype != torch.int64):
         raise ValueError(f"marks must be int64 {list(want)}, got {marks.dtype} {tuple(marks.shape)}")
-    _kernel(slots, pl.slot, pl.kmax, split, rb, vecs, publisher, sleep, marks is not None, device)(
+    _kernel(slots, pl.slot, pl.kmax, split, rb, vecs, publisher, marks is not None, device)(
         programs, 32 * (TEAMS * split + 2 + publisher), shared,
         [pl.chain.w, pl.chain.act, pl.table, phases, pl.total, state, state[phases + 1:], marks])
     return pl.chain.output()

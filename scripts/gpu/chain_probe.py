@@ -1,6 +1,6 @@
 """The dense GEMVs of K2.6 TP-8 decode layers (c=1) as one chain: kernel boundaries vs grid barriers (H200).
 
-python3 scripts/gpu/chain_probe.py [OUT_DIR] [LAYERS] [BK,...] [PROGRAMS_PER_SM,...] [SLOTS[xKB][sSPLIT][rRB][vVECS][f][p][zSLEEP],...]: per layer the six one-row
+python3 scripts/gpu/chain_probe.py [OUT_DIR] [LAYERS] [BK,...] [PROGRAMS_PER_SM,...] [SLOTS[xKB][sSPLIT][rRB][vVECS][f][p],...]: per layer the six one-row
 products of a rank-0 shard, each reading the one before (wqkv_a 2112x7168 -> wq_b 1536x1536
 -> wo 7168x1024 -> router 384x7168 and shared w13 512x7168 (both from wo's output) -> shared
 w2 7168x256 -> the next layer's wqkv_a), 66 MB of bf16 weights a layer, LAYERS layers (default
@@ -12,7 +12,7 @@ loaded before the PDL wait), `barrier` (one persistent launch, grid barriers), `
 (barriers, the next phase's first chunk loaded while waiting), each with 1 and 2 programs an
 SM (all resident: the barrier needs it), and `dataflow` (kernels.dataflow: one persistent CUDA
 launch whose weight stream runs ahead of the dependencies through a ring of shared memory,
-a completion counter a phase; a ring spec SLOTS[xKB][sSPLIT][rRB][vVECS][f][p][zSLEEP]: slots (of KB), warps a
+a completion counter a phase; a ring spec SLOTS[xKB][sSPLIT][rRB][vVECS][f][p]: slots (of KB), warps a
 consumer team, rows it multiplies at once, vectors of each it loads first, f: tiles as full as a slot instead of spread over every team, p: a publisher
 lane; also on the same phases without dependencies, each reading the input: its stream
 alone). Checks
@@ -39,10 +39,10 @@ out.mkdir(parents=True, exist_ok=True)
 layers = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 bks = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "256,512").split(",")]
 per_sm = [int(b) for b in (sys.argv[4] if len(sys.argv) > 4 else "1,2").split(",")]
-ring = (sys.argv[5] if len(sys.argv) > 5 else str(dataflow.SLOTS)).split(",")   # dataflow: SLOTS[xKB][sSPLIT][rRB][vVECS][f][p][zSLEEP]
-RING = re.compile(r"(\d+)(?:x(\d+))?(?:s(\d))?(?:r(\d))?(?:v(\d+))?(f?)(p?)(?:z(\d+))?")
+ring = (sys.argv[5] if len(sys.argv) > 5 else str(dataflow.SLOTS)).split(",")   # dataflow: SLOTS[xKB][sSPLIT][rRB][vVECS][f][p]
+RING = re.compile(r"(\d+)(?:x(\d+))?(?:s(\d))?(?:r(\d))?(?:v(\d+))?(f?)(p?)")
 if any(RING.fullmatch(n) is None for n in ring):
-    raise SystemExit(f"ring specs {ring}: each SLOTS[xKB][sSPLIT][rRB][vVECS][f][p][zSLEEP], in that order")
+    raise SystemExit(f"ring specs {ring}: each SLOTS[xKB][sSPLIT][rRB][vVECS][f][p], in that order")
 dev = torch.device("cuda")
 copy = copy_bandwidth_gbps(dev)
 dense = preset("k2.6", tp=8).dense_shapes()
@@ -81,7 +81,7 @@ def variant(c: chain.Chain, mode: str):
         return skinny_chain(c)
     if mode.startswith("cuda"):
         return cuda_chain(c, mode == "cuda")
-    if mode.startswith("dataflow"):   # "dataflow SLOTS[xKB][sSPLIT][rRB][vVECS][f][p][zSLEEP]": slots (KB), warps
+    if mode.startswith("dataflow"):   # "dataflow SLOTS[xKB][sSPLIT][rRB][vVECS][f][p]": slots (KB), warps
         # a team, rows at once, vectors a row in flight, f: full tiles, p: a publisher lane
         spec = RING.fullmatch(mode.split()[1] if " " in mode else str(dataflow.SLOTS))
         slots, kb, split = int(spec[1]), spec[2], int(spec[3] or dataflow.SPLIT)
@@ -89,8 +89,7 @@ def variant(c: chain.Chain, mode: str):
         pl = dataflow.plan(c, int(kb) * 1024 if kb else dataflow.SLOT, spread=not spec[6])
 
         def fn():
-            return dataflow.run(pl, slots=slots, split=split, rb=rb, vecs=vecs, publisher=bool(spec[7]),
-                                 sleep=int(spec[8] or 0))
+            return dataflow.run(pl, slots=slots, split=split, rb=rb, vecs=vecs, publisher=bool(spec[7]))
         fn.plan = pl   # for dataflow.gave_up
         return fn
     return lambda: chain.run(c, mode)
