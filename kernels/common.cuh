@@ -34,6 +34,13 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {   // generic -> s
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
+template <class F>
+__device__ __forceinline__ bool wait_until(F ready, int* err) {   // false: gave up after ~1 s, *err set
+    const long long t0 = clock64();
+    while (!ready())
+        if (clock64() - t0 > 2000000000ll) { atomicExch(err, 1); return false; }
+    return true;
+}
 // mbarriers (shared::cta addresses) and bulk copies global -> shared that complete on one
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");

@@ -32,8 +32,9 @@
 //
 // Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), SPLIT (warps a
 // team), RB (rows a team multiplies at once), VECS (16-byte vectors of each of those rows a
-// team's lane loads before it multiplies; a multiple of SPLIT), PUBLISHER (1: the publisher lane above), MARKS (1: where a (program, phase)'s cycles
-// go: kernels/dataflow.py `run(marks=)`).
+// team's lane loads before it multiplies; a multiple of SPLIT), PUBLISHER (1: the publisher
+// lane above), MARKS (1: where a (program, phase)'s cycles go: kernels/dataflow.py
+// `run(marks=)`).
 #include "common.cuh"
 
 #define TEAMS 8                            // consumer teams (a tile each); then the producer's warp, the loader's
@@ -47,13 +48,6 @@ static_assert(VECS % SPLIT == 0, "a team's vectors in flight are shared by its w
 enum { W_OFF, N, K, X_OFF, Y_OFF, SRC, BN, TILES, FIRST };
 enum { M_INPUT, M_XBUF, M_X, M_TILE, M_MULT, M_PUBLISH, M_TILES, M_COLS };   // marks: cycles, tiles a (program, phase)
 
-template <class F>
-__device__ __forceinline__ bool wait_until(F ready, int* err) {   // false: gave up after ~1 s, *err set
-    const long long t0 = clock64();
-    while (!ready())
-        if (clock64() - t0 > 2000000000ll) { atomicExch(err, 1); return false; }
-    return true;
-}
 __device__ __forceinline__ bool mbar_wait(unsigned bar, unsigned parity, int* err) {   // false: gave up
     return wait_until([&] { return mbar_done(bar, parity); }, err);
 }

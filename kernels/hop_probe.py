@@ -2,9 +2,9 @@
 two programs pass a token back and forth, with a bare flag, a release/acquire flag or the
 dataflow kernel's counter (and then, as its x loader, a bulk copy of x into shared memory), idle
 or under a DRAM stream from every other SM; or one program's token answered by the adds of
-`fan` others to one counter, the all-to-all shape in which a dataflow phase completes. The floor under any
-software dependency of a persistent decode kernel (`kernels/dataflow.py`), to set against a PDL
-launch's ~1.1 us. `scripts/gpu/hop_probe.py` prints the table.
+`fan` others to one counter, the all-to-all shape in which a dataflow phase completes. The
+floor under any software dependency of a persistent decode kernel (`kernels/dataflow.py`), to
+set against a PDL launch's ~1.1 us. `scripts/gpu/hop_probe.py` prints the table.
 """
 from __future__ import annotations
 
@@ -49,5 +49,6 @@ def hop_ns(mode: str, rounds: int = 10000, stream: torch.Tensor | None = None, x
     buf = stream if stream is not None else flag
     x = torch.randn(x_bytes // 4, device=device)
     _kernel(MODES[mode], device)(grid, 256, SHARED, [flag, rounds, buf, span, x, x_bytes, out])
-    ns, token, gave_up = out[:3].tolist()
+    ns, token = out[:2].tolist()
+    gave_up = flag[3].item()
     return ns / (2 * (rounds - WARM)), token, bool(gave_up)

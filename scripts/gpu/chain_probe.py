@@ -1,9 +1,10 @@
 """The dense GEMVs of K2.6 TP-8 decode layers (c=1) as one chain: kernel boundaries vs grid barriers (H200).
 
-python3 scripts/gpu/chain_probe.py [OUT_DIR] [LAYERS] [BK,...] [PROGRAMS_PER_SM,...] [SLOTS[xKB][sSPLIT][rRB][vVECS][f][p],...]: per layer the six one-row
-products of a rank-0 shard, each reading the one before (wqkv_a 2112x7168 -> wq_b 1536x1536
--> wo 7168x1024 -> router 384x7168 and shared w13 512x7168 (both from wo's output) -> shared
-w2 7168x256 -> the next layer's wqkv_a), 66 MB of bf16 weights a layer, LAYERS layers (default
+python3 scripts/gpu/chain_probe.py [OUT_DIR] [LAYERS] [BK,...] [PROGRAMS_PER_SM,...]
+[SLOTS[xKB][sSPLIT][rRB][vVECS][f][p],...]: per layer the six one-row products of a rank-0
+shard, each reading the one before (wqkv_a 2112x7168 -> wq_b 1536x1536 -> wo 7168x1024 ->
+router 384x7168 and shared w13 512x7168 (both from wo's output) -> shared w2 7168x256 -> the
+next layer's wqkv_a), 66 MB of bf16 weights a layer, LAYERS layers (default
 4: 264 MB, more than L2, so every replay reads DRAM). Variants, each a CUDA graph replayed back
 to back: `skinny` the engine's kernels (kernels.skinny, cuBLAS where N > K; PDL), `cuda` /
 `cuda-nopdl` kernels.gemv (CUDA: up to ~100 KB of weights a program loaded before the PDL wait), then
@@ -12,9 +13,10 @@ loaded before the PDL wait), `barrier` (one persistent launch, grid barriers), `
 (barriers, the next phase's first chunk loaded while waiting), each with 1 and 2 programs an
 SM (all resident: the barrier needs it), and `dataflow` (kernels.dataflow: one persistent CUDA
 launch whose weight stream runs ahead of the dependencies through a ring of shared memory,
-a completion counter a phase; a ring spec SLOTS[xKB][sSPLIT][rRB][vVECS][f][p]: slots (of KB), warps a
-consumer team, rows it multiplies at once, vectors of each it loads first, f: tiles as full as a slot instead of spread over every team, p: a publisher
-lane; also on the same phases without dependencies, each reading the input: its stream
+a completion counter a phase; a ring spec SLOTS[xKB][sSPLIT][rRB][vVECS][f][p]: slots (of
+KB), warps a consumer team, rows it multiplies at once, vectors of each it loads first, f:
+tiles as full as a slot instead of spread over every team, p: a publisher lane; also on the
+same phases without dependencies, each reading the input: its stream
 alone). Checks
 each against the fp32 torch chain; prints us a layer, GB/s and the ratio to the bytes floor
 (weights / measured copy bandwidth). Last, the cost of a dependency alone: a chain of 48 tiny
