@@ -20,10 +20,10 @@ out.mkdir(parents=True, exist_ok=True)
 stream = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device="cuda")   # 2 GiB: well past L2
 rows = []
 CASES = [(m, 1024, 1) for m in hop_probe.MODES if m != "all to one"] + [("counter + x", 28 * 1024, 1)]
-CASES += [("all to one", 0, fan) for fan in (1, 8, 32, 131)]   # x of 256 / 7168 fp32; programs answering
+CASES += [("all to one", 1024, fan) for fan in (1, 8, 32, 131)]   # x of 256 / 7168 fp32; programs answering
 for mode, x_bytes, fan in CASES:
     for load, buf in (("idle", None), ("DRAM stream", stream)) if mode != "all to one" else (("idle", None),):
-        runs = [hop_probe.hop_ns(mode, 20000, buf, x_bytes or 1024, fan) for _ in range(3)]
+        runs = [hop_probe.hop_ns(mode, 20000, buf, x_bytes, fan) for _ in range(3)]
         want = fan * 20000 if mode == "all to one" else 2 * 20000
         ok = all(token == want and not gave_up for _, token, gave_up in runs)
         ns = [r[0] for r in runs]
