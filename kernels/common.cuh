@@ -41,6 +41,11 @@ __device__ __forceinline__ bool wait_until(F ready, int* err) {   // false: gave
         if (clock64() - t0 > 2000000000ll) { atomicExch(err, 1); return false; }
     return true;
 }
+__device__ __forceinline__ int ld_acquire_cta(const int* p) {   // shared memory
+    int v;
+    asm volatile("ld.acquire.cta.shared::cta.s32 %0, [%1];" : "=r"(v) : "r"(smem_addr(p)) : "memory");
+    return v;
+}
 // mbarriers (shared::cta addresses) and bulk copies global -> shared that complete on one
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
@@ -66,6 +71,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
+}
+__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b) {   // 8 bf16 weights . 8 fp32 x
+    return bf16_lo(w.x) * a.x + bf16_hi(w.x) * a.y + bf16_lo(w.y) * a.z + bf16_hi(w.y) * a.w
+         + bf16_lo(w.z) * b.x + bf16_hi(w.z) * b.y + bf16_lo(w.w) * b.z + bf16_hi(w.w) * b.w;
 }
 template <int NW>
 __device__ __forceinline__ float block_sum(float v, float* part) {   // over NW warps; part: NW floats, shared

@@ -1,6 +1,7 @@
 // A latency probe, not used by the engine (kernels/hop_probe.py, scripts/gpu/hop_probe.py): what
-// one dependency between two SMs costs through global memory, alone: the floor under a persistent
-// kernel's software dependency (kernels/dataflow.cu's hop measured ~2.2 us, a PDL launch ~1.1).
+// one dependency between SMs costs through global memory, alone (between two, and over all of
+// them as in a dataflow chain): the floor under a persistent kernel's software dependency
+// (kernels/dataflow.cu's hop measured ~2.2 us, a PDL launch ~1.1).
 // Programs 0 and 1 (one an SM: each asks for most of an SM's shared memory) pass a token back and
 // forth through flag[0]: program 0 waits for 2r and makes it 2r + 1, program 1 waits for 2r + 1
 // and makes it 2r + 2, for `rounds` rounds. MODE says how a program posts and polls:
@@ -12,11 +13,22 @@
 //   4: all to one, as a dataflow phase completes: program 0 posts round r (st.release.gpu r + 1),
 //      every other program waits for it and adds 1 to flag[2] (red.release.gpu); program 0
 //      waits for all of them (relaxed polls, fence.acq_rel.gpu); a round is two hops
+//   5: as 3, but a consumer warp waits for x on the mbarrier, multiplies one row of 256 bf16
+//      weights (`w`, in its registers) by x's first 256 values, stores the sum (out[2 + me]) and
+//      posts: the dataflow kernel's hop with its hand-off from the x loader to a team
+//   6: as 5, and the consumer hands the post to a publisher lane through shared memory (a
+//      CTA-scope release that the publisher acquires), as dataflow.cu's PUBLISHER build
+//   7-9: all to all, as one dependency of a dataflow chain: every program waits in round r
+//      until all programs have added their round r - 1 to flag[2] (relaxed polls, fence.acq_rel.gpu)
+//      and adds its round r: 7 the waiting lane adds at once (the counter alone), 8 as 5 (x
+//      copied, a consumer warp multiplies and adds), 9 as 6 (and a publisher lane adds); a
+//      round is one hop
 // The other programs, if any, stream their span of `buf` from DRAM until program 0 is done
 // (flag[1]), so the hop can be timed under a weight stream as a decode step has.
 // out[0]: %globaltimer ns of the rounds after the first WARM (program 0's view); out[1]: the
-// token at the end (2 rounds; MODE 4: flag[2], (programs - 1) rounds); flag[3]: 1 if a wait
-// gave up (~1 s).
+// token at the end (2 rounds; MODE 4: flag[2], (programs - 1) rounds; MODE 7-9: flag[2],
+// programs x rounds); out[2]: MODE 5, 6, 8, 9, program 0's last sum (fp32 bits); flag[3]: 1
+// if a wait gave up (~1 s).
 #include "common.cuh"
 
 #define WARM 16
@@ -30,7 +42,7 @@ __device__ __forceinline__ int poll(const int* p) {
 #endif
     return v;
 }
-__device__ __forceinline__ void post(int* p, int v) {   // the token was v - 1
+__device__ __forceinline__ void post(int* p, int v) {   // the token was v - 1 (MODE >= 2: adds 1)
 #if MODE == 0
     asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 #elif MODE == 1
@@ -46,10 +58,64 @@ __device__ __forceinline__ unsigned long long now_ns() {
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1)
-hop(int* flag, int rounds, const uint4* buf, int span, const float* x, int bytes, unsigned long long* out)
+hop(int* flag, int rounds, const uint4* buf, int span, const float* x, int bytes, const uint4* w,
+    unsigned long long* out)
 {
-    extern __shared__ __align__(128) unsigned char sm[];   // MODE 3: x lands here
+    extern __shared__ __align__(128) unsigned char sm[];   // MODE 3, 5, 6, 8, 9: x lands here
     __shared__ __align__(8) unsigned long long bar;
+#if MODE >= 5
+#define ALL (MODE >= 7)                                    // every program, flag[2]
+#define XWARP (MODE != 7)                                  // x copied to a consumer warp
+#define PUB (MODE == 6 || MODE == 9)                       // posts through a publisher lane
+    __shared__ int ready;                                  // PUB: the consumer's posts, for the publisher
+    int* const cnt = ALL ? flag + 2 : flag;                // what the loaders wait for and the posts add to
+    if (ALL || blockIdx.x < 2) {
+        const int me = blockIdx.x, G = gridDim.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        auto turn = [&](int r) { return ALL ? poll(cnt) >= G * r : poll(cnt) == 2 * r + me; };
+        if (threadIdx.x == 0) {
+            mbar_init(smem_addr(&bar), 1);
+            ready = 0;
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+        if (warp == 0 && lane == 0) {                      // the x loader
+            unsigned long long t0 = 0;
+            for (int r = 0; r < rounds; r++) {
+                if (me == 0 && r == WARM) t0 = now_ns();
+                if (!wait_until([&] { return turn(r); }, flag + 3)) { flag[1] = 1; return; }
+                asm volatile("fence.acq_rel.gpu;" ::: "memory");
+                if (!XWARP) { post(cnt, 0); continue; }
+                asm volatile("fence.proxy.async.global;" ::: "memory");
+                bulk_load(sm, x, bytes, smem_addr(&bar));
+            }
+            if (me == 0) {
+                const int last = ALL ? G * rounds : 2 * rounds;
+                wait_until([&] { return poll(cnt) == last; }, flag + 3);
+                out[0] = now_ns() - t0;
+                out[1] = poll(cnt);
+                asm volatile("st.relaxed.gpu.global.s32 [%0], 1;" :: "l"(flag + 1) : "memory");
+            }
+        } else if (XWARP && warp == 1) {                   // the consumer
+            const uint4 wv = w[lane];
+            const float4* x4 = reinterpret_cast<const float4*>(sm);
+            for (int r = 0; r < rounds; r++) {
+                if (!wait_until([&] { return mbar_done(smem_addr(&bar), r & 1); }, flag + 3)) return;
+                const float s = warp_sum(dot8(wv, x4[2 * lane], x4[2 * lane + 1]));
+                if (lane == 0) {
+                    if (me < 2) out[2 + me] = __float_as_uint(s);
+                    if (!PUB) post(cnt, 2 * r + me + 1);
+                    else asm volatile("red.release.cta.shared::cta.add.s32 [%0], 1;" :: "r"(smem_addr(&ready)) : "memory");
+                }
+            }
+        } else if (PUB && warp == 2 && lane == 0) {        // the publisher
+            for (int r = 0; r < rounds; r++) {
+                if (!wait_until([&] { return ld_acquire_cta(&ready) >= r + 1; }, flag + 3)) return;
+                post(cnt, 2 * r + me + 1);
+            }
+        }
+        return;
+    }
+#endif
 #if MODE == 4
     if (threadIdx.x != 0) return;
     const int fan = gridDim.x - 1;
@@ -71,7 +137,7 @@ hop(int* flag, int rounds, const uint4* buf, int span, const float* x, int bytes
     }
     return;
 #endif
-    if (blockIdx.x < 2) {
+    if (MODE < 5 && blockIdx.x < 2) {
         if (threadIdx.x != 0) return;
         const int me = blockIdx.x;
         if (MODE == 3) {
