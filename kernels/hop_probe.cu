@@ -23,12 +23,15 @@
 //      and adds its round r: 7 the waiting lane adds at once (the counter alone), 8 as 5 (x
 //      copied, a consumer warp multiplies and adds), 9 as 6 (and a publisher lane adds); a
 //      round is one hop
+//   10-11: as 7 and 9, with a flag a program instead of the counter: a program posts round r
+//      by st.release.gpu of r + 1 to its own flag (flag[4 + g]); a whole warp polls all the
+//      flags (ld.relaxed.gpu, a vote), then fence.acq_rel.gpu; no atomics on one address
 // The other programs, if any, stream their span of `buf` from DRAM until program 0 is done
 // (flag[1]), so the hop can be timed under a weight stream as a decode step has.
 // out[0]: %globaltimer ns of the rounds after the first WARM (program 0's view); out[1]: the
 // token at the end (2 rounds; MODE 4: flag[2], (programs - 1) rounds; MODE 7-9: flag[2],
-// programs x rounds); out[2]: MODE 5, 6, 8, 9, program 0's last sum (fp32 bits); flag[3]: 1
-// if a wait gave up (~1 s).
+// programs x rounds; MODE 10-11: the flags' sum, the same); out[2]: MODE 5, 6, 8, 9, 11,
+// program 0's last sum (fp32 bits); flag[3]: 1 if a wait gave up (~1 s).
 #include "common.cuh"
 
 #define WARM 16
@@ -61,39 +64,55 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 hop(int* flag, int rounds, const uint4* buf, int span, const float* x, int bytes, const uint4* w,
     unsigned long long* out)
 {
-    extern __shared__ __align__(128) unsigned char sm[];   // MODE 3, 5, 6, 8, 9: x lands here
+    extern __shared__ __align__(128) unsigned char sm[];   // MODE 3 and with XWARP: x lands here
     __shared__ __align__(8) unsigned long long bar;
 #if MODE >= 5
-#define ALL (MODE >= 7)                                    // every program, flag[2]
-#define XWARP (MODE != 7)                                  // x copied to a consumer warp
-#define PUB (MODE == 6 || MODE == 9)                       // posts through a publisher lane
+#define ALL (MODE >= 7)                                    // every program, flag[2] (or the flags)
+#define FLAGS (MODE >= 10)                                 // a flag a program (flag[4 + g]), not one counter
+#define XWARP (MODE != 7 && MODE != 10)                    // x copied to a consumer warp
+#define PUB (MODE == 6 || MODE == 9 || MODE == 11)         // posts through a publisher lane
     __shared__ int ready;                                  // PUB: the consumer's posts, for the publisher
     int* const cnt = ALL ? flag + 2 : flag;                // what the loaders wait for and the posts add to
+    int* const flags = flag + 4;
     if (ALL || blockIdx.x < 2) {
         const int me = blockIdx.x, G = gridDim.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        auto turn = [&](int r) { return ALL ? poll(cnt) >= G * r : poll(cnt) == 2 * r + me; };
+        auto posted = [&](int r) {                         // ALL: every program's round r - 1 is in; pairs: my turn
+            if (!FLAGS) return ALL ? poll(cnt) >= G * r : poll(cnt) == 2 * r + me;
+            bool in = true;                                // FLAGS: the whole warp polls
+            for (int i = lane; i < G; i += 32) in = in && poll(flags + i) >= r;
+            return __all_sync(0xffffffffu, in) != 0;
+        };
+        auto publish = [&](int r) {                        // my round r is done
+            if (FLAGS) asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(flags + me), "r"(r + 1) : "memory");
+            else post(cnt, 2 * r + me + 1);
+        };
         if (threadIdx.x == 0) {
             mbar_init(smem_addr(&bar), 1);
             ready = 0;
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
         __syncthreads();
-        if (warp == 0 && lane == 0) {                      // the x loader
+        if (warp == 0 && (FLAGS || lane == 0)) {           // the x loader (FLAGS: its warp polls)
             unsigned long long t0 = 0;
             for (int r = 0; r < rounds; r++) {
                 if (me == 0 && r == WARM) t0 = now_ns();
-                if (!wait_until([&] { return turn(r); }, flag + 3)) { flag[1] = 1; return; }
+                if (!wait_until([&] { return posted(r); }, flag + 3)) { flag[1] = 1; return; }
+                if (lane != 0) continue;
                 asm volatile("fence.acq_rel.gpu;" ::: "memory");
-                if (!XWARP) { post(cnt, 0); continue; }
+                if (!XWARP) { publish(r); continue; }
                 asm volatile("fence.proxy.async.global;" ::: "memory");
                 bulk_load(sm, x, bytes, smem_addr(&bar));
             }
             if (me == 0) {
-                const int last = ALL ? G * rounds : 2 * rounds;
-                wait_until([&] { return poll(cnt) == last; }, flag + 3);
-                out[0] = now_ns() - t0;
-                out[1] = poll(cnt);
-                asm volatile("st.relaxed.gpu.global.s32 [%0], 1;" :: "l"(flag + 1) : "memory");
+                wait_until([&] { return posted(rounds); }, flag + 3);
+                if (lane == 0) {
+                    out[0] = now_ns() - t0;
+                    int token = poll(cnt);
+                    if (FLAGS)
+                        for (int i = 0; i < G; i++) token += poll(flags + i);
+                    out[1] = token;
+                    asm volatile("st.relaxed.gpu.global.s32 [%0], 1;" :: "l"(flag + 1) : "memory");
+                }
             }
         } else if (XWARP && warp == 1) {                   // the consumer
             const uint4 wv = w[lane];
@@ -103,14 +122,14 @@ hop(int* flag, int rounds, const uint4* buf, int span, const float* x, int bytes
                 const float s = warp_sum(dot8(wv, x4[2 * lane], x4[2 * lane + 1]));
                 if (lane == 0) {
                     if (me < 2) out[2 + me] = __float_as_uint(s);
-                    if (!PUB) post(cnt, 2 * r + me + 1);
+                    if (!PUB) publish(r);
                     else asm volatile("red.release.cta.shared::cta.add.s32 [%0], 1;" :: "r"(smem_addr(&ready)) : "memory");
                 }
             }
         } else if (PUB && warp == 2 && lane == 0) {        // the publisher
             for (int r = 0; r < rounds; r++) {
                 if (!wait_until([&] { return ld_acquire_cta(&ready) >= r + 1; }, flag + 3)) return;
-                post(cnt, 2 * r + me + 1);
+                publish(r);
             }
         }
         return;

@@ -7,7 +7,8 @@ dataflow kernel's hop with its hand-offs inside the program: x handed to a consu
 multiplies one row of 256 and posts ("x to a warp"), or hands the post to a publisher lane
 ("x to a warp + publisher"); or every program at once waiting for all the others' posts, as
 one dependency of a dataflow chain, with the counter alone ("all to all") or with those
-hand-offs too. The floor under any software dependency of a persistent decode
+hand-offs too, or with a flag a program that a whole warp polls instead of one counter
+("all to all, flags"). The floor under any software dependency of a persistent decode
 kernel (`kernels/dataflow.py`), to set against a PDL launch's ~1.1 us. `scripts/gpu/hop_probe.py`
 prints the table.
 """
@@ -20,7 +21,8 @@ import torch
 
 MODES = {"relaxed": 0, "release-acquire": 1, "counter": 2, "counter + x": 3, "all to one": 4,   # hop_probe.cu MODE
          "x to a warp": 5, "x to a warp + publisher": 6,
-         "all to all": 7, "all to all + x to a warp": 8, "all to all + x to a warp + publisher": 9}
+         "all to all": 7, "all to all + x to a warp": 8, "all to all + x to a warp + publisher": 9,
+         "all to all, flags": 10, "all to all, flags + x to a warp + publisher": 11}
 FANS = [m for m in MODES if m.startswith("all to")]        # modes on fan + 1 programs, no stream
 CONSUMER = [m for m in MODES if "x to a warp" in m]        # modes whose consumer warp multiplies x
 ROW = 256                                                   # the consumer's row (bf16 weights) in modes 5-6
@@ -60,7 +62,7 @@ def hop_ns(mode: str, rounds: int = 10000, stream: torch.Tensor | None = None, x
         raise ValueError(f"fan {fan}: 1 to {sms - 1} (one program an SM, all resident)")
     grid = fan + 1 if mode in FANS else 2 if stream is None else sms   # every program resident: one an SM
     span = 0 if stream is None else stream.numel() // 16 // (grid - 2)
-    flag = torch.zeros(4, dtype=torch.int32, device=device)
+    flag = torch.zeros(4 + sms, dtype=torch.int32, device=device)   # + the flags a program
     out = torch.zeros(4, dtype=torch.int64, device=device)
     buf = stream if stream is not None else flag
     x = torch.randn(x_bytes // 4, device=device)

@@ -23,7 +23,8 @@ stream = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device="cuda")   #
 rows = []
 CASES = [(m, 1024, 1) for m in hop_probe.MODES if m not in hop_probe.FANS] + [("counter + x", 28 * 1024, 1)]
 CASES += [(m, 1024, fan) for m in hop_probe.FANS for fan in (1, 8, 32, 131)]   # x of 256 / 7168 fp32; fan-out
-CASES += [("all to all + x to a warp + publisher", 28 * 1024, 131)]
+CASES += [("all to all + x to a warp + publisher", 28 * 1024, 131),
+          ("all to all, flags + x to a warp + publisher", 28 * 1024, 131)]
 for mode, x_bytes, fan in CASES:
     for load, buf in (("idle", None), ("DRAM stream", stream)) if mode not in hop_probe.FANS else (("idle", None),):
         runs = [hop_probe.hop_ns(mode, 20000, buf, x_bytes, fan) for _ in range(3)]
