@@ -107,9 +107,8 @@ hop(int* flag, int rounds, const uint4* buf, int span, const float* x, int bytes
                 wait_until([&] { return posted(rounds); }, flag + 3);
                 if (lane == 0) {
                     out[0] = now_ns() - t0;
-                    int token = poll(cnt);
-                    if (FLAGS)
-                        for (int i = 0; i < G; i++) token += poll(flags + i);
+                    int token = FLAGS ? 0 : poll(cnt);
+                    for (int i = 0; FLAGS && i < G; i++) token += poll(flags + i);
                     out[1] = token;
                     asm volatile("st.relaxed.gpu.global.s32 [%0], 1;" :: "l"(flag + 1) : "memory");
                 }

@@ -25,7 +25,7 @@ MODES = {"relaxed": 0, "release-acquire": 1, "counter": 2, "counter + x": 3, "al
          "all to all, flags": 10, "all to all, flags + x to a warp + publisher": 11}
 FANS = [m for m in MODES if m.startswith("all to")]        # modes on fan + 1 programs, no stream
 CONSUMER = [m for m in MODES if "x to a warp" in m]        # modes whose consumer warp multiplies x
-ROW = 256                                                   # the consumer's row (bf16 weights) in modes 5-6
+ROW = 256                                                   # the consumer's row (bf16 weights) in CONSUMER modes
 WARM = 16                                                   # rounds not timed (hop_probe.cu)
 SHARED = 160 * 1024                                         # dynamic shared memory a program: one an SM
 
@@ -38,10 +38,11 @@ def _kernel(mode: int, device: torch.device):
 
 def hop_ns(mode: str, rounds: int = 10000, stream: torch.Tensor | None = None, x_bytes: int = 1024,
            fan: int = 131) -> tuple[float, int, bool, float | None]:
-    """One hop's time in ns (mean over `rounds` round trips, two hops each, after WARM), the
-    token at the end (2 x rounds when every hop happened), whether a wait gave up, and in the
-    modes with a consumer warp program 0's last sum minus its fp32 reference (w . x[:ROW]; None
-    in the others). In the "all to all" modes a round is one hop (every program waits for all). stream: a uint8 CUDA buffer that every other SM reads over and over meanwhile
+    """One hop's time in ns (mean over `rounds` round trips, two hops each, after WARM; in the
+    "all to all" modes a round is one hop, every program waiting for all), the token at the end
+    (2 x rounds when every hop happened), whether a wait gave up, and in the modes with a
+    consumer warp program 0's last sum minus its fp32 reference (w . x[:ROW]; None in the
+    others). stream: a uint8 CUDA buffer that every other SM reads over and over meanwhile
     (None: idle); x_bytes: what the modes with x copy a hop (a multiple of 16, at most SHARED;
     at least ROW floats in the modes with a consumer); fan: the programs that answer in "all to
     one" (its token at the end: fan x rounds), or in the "all to all" modes the programs but

@@ -1,9 +1,10 @@
-"""What one dependency between two SMs costs through global memory, alone (kernels/hop_probe.py;
+"""What one dependency between SMs costs through global memory, alone (kernels/hop_probe.py;
 H200): a token passed back and forth between two programs, by flag kind and with the dataflow
 kernel's hand-offs inside a program (x to a consumer warp, its post through a publisher lane),
 idle and under a DRAM stream from every other SM; and one token answered by many programs (all
-to one), or every program waiting for all the others (all to all: a dataflow dependency). The floor under a persistent kernel's software dependency, against a
-PDL launch (~1.1 us, `chain_probe.py`'s tiny chain) and the dataflow kernel's hop (~2.2 us).
+to one), or every program waiting for all the others (all to all: a dataflow dependency). The
+floor under a persistent kernel's software dependency, against a PDL launch (~1.1 us,
+`chain_probe.py`'s tiny chain) and the dataflow kernel's hop (~2.2 us).
 
 python3 scripts/gpu/hop_probe.py [OUT_DIR] -> OUT_DIR/hop_probe.csv. A few seconds.
 """
@@ -32,7 +33,8 @@ for mode, x_bytes, fan in CASES:
         ok = all(token == want and not gave_up and (error is None or abs(error) < 1e-3)
                  for _, token, gave_up, error in runs)
         ns = [r[0] for r in runs]
-        rows.append({"mode": mode if fan == 1 else f"{mode} ({fan})", "x_bytes": x_bytes if mode == "counter + x" or mode in hop_probe.CONSUMER else "",
+        has_x = mode == "counter + x" or mode in hop_probe.CONSUMER
+        rows.append({"mode": mode if fan == 1 else f"{mode} ({fan})", "x_bytes": x_bytes if has_x else "",
                      "load": load, "ns_per_hop": round(statistics.median(ns), 1),
                      "min_ns": round(min(ns), 1), "max_ns": round(max(ns), 1), "ok": ok})
         print(rows[-1], flush=True)
