@@ -56,6 +56,9 @@ __device__ __forceinline__ bool mbar_done(unsigned bar, unsigned parity) {   // 
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     return done != 0;
 }
+__device__ __forceinline__ bool mbar_wait(unsigned bar, unsigned parity, int* err) {   // false: gave up
+    return wait_until([&] { return mbar_done(bar, parity); }, err);
+}
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("{ .reg .b64 s; mbarrier.arrive.shared::cta.b64 s, [%0]; }" :: "r"(bar) : "memory");
 }

@@ -48,9 +48,6 @@ static_assert(VECS % SPLIT == 0, "a team's vectors in flight are shared by its w
 enum { W_OFF, N, K, X_OFF, Y_OFF, SRC, BN, TILES, FIRST };
 enum { M_INPUT, M_XBUF, M_X, M_TILE, M_MULT, M_PUBLISH, M_TILES, M_COLS };   // marks: cycles, tiles a (program, phase)
 
-__device__ __forceinline__ bool mbar_wait(unsigned bar, unsigned parity, int* err) {   // false: gave up
-    return wait_until([&] { return mbar_done(bar, parity); }, err);
-}
 __device__ __forceinline__ int ld_relaxed(const int* p) {
     int v;
     asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

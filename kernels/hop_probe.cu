@@ -117,7 +117,7 @@ hop(int* flag, int rounds, const uint4* buf, int span, const float* x, int bytes
             const uint4 wv = w[lane];
             const float4* x4 = reinterpret_cast<const float4*>(sm);
             for (int r = 0; r < rounds; r++) {
-                if (!wait_until([&] { return mbar_done(smem_addr(&bar), r & 1); }, flag + 3)) return;
+                if (!mbar_wait(smem_addr(&bar), r & 1, flag + 3)) return;
                 const float s = warp_sum(dot8(wv, x4[2 * lane], x4[2 * lane + 1]));
                 if (lane == 0) {
                     if (me < 2) out[2 + me] = __float_as_uint(s);
