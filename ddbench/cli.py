@@ -42,7 +42,7 @@ def fail(message: str) -> None:
 
 def user_errors(fn):
     """Turn UserError/ConfigError (and a Ctrl-C) into a one-line message and exit code."""
-    from engine.config import ConfigError
+    from ddbench.engine.config import ConfigError
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -212,7 +212,7 @@ def allreduce(
     unless set. Example: ddbench allreduce --gpus 8 --model
     """
     from ddbench.allreduce import predict as predict_model, run
-    from engine.config import parse_overrides, preset as make_preset
+    from ddbench.engine.config import parse_overrides, preset as make_preset
 
     cfg = make_preset(preset, **parse_overrides(override))
     token_list = [] if tokens.strip().lower() in ("", "none") else parse_int_list(tokens, "--tokens")

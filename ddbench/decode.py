@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ddbench import UserError
-from engine.decode import PHASES as PHASE_COLS
+from ddbench.engine.decode import PHASES as PHASE_COLS
 
 DEFAULT_ALLREDUCE = "nvlink-h200"
 
@@ -45,12 +45,12 @@ def pick_backends(device: torch.device, moe: str, attn: str) -> tuple[str, str]:
         moe = "torch"
         if device.type == "cuda":
             try:
-                import kernels.moe_triton  # noqa: F401
+                import ddbench.kernels.moe_triton  # noqa: F401
                 moe = "triton"
             except ImportError:
                 print("note: kernels.moe_triton is missing; using the (slow) torch MoE reference")
     if attn == "auto":
-        from kernels import mla_attn
+        from ddbench.kernels import mla_attn
         attn = "triton" if device.type == "cuda" and hasattr(mla_attn, "mla_attention") else "torch"
     for what, v in (("--moe-backend", moe), ("--attn-backend", attn)):
         if v not in ("torch", "triton"):
@@ -60,9 +60,9 @@ def pick_backends(device: torch.device, moe: str, attn: str) -> tuple[str, str]:
 
 def build_model(cfg, comm, checkpoint: Path | None, moe: str, attn: str, seed: int, device, init: str):
     """The Transformer on `device`, from a checkpoint or random weights -> (model, init used)."""
-    from engine import checkpoint as ck
-    from engine.model import Transformer
-    from engine.weights import init_random
+    from ddbench.engine import checkpoint as ck
+    from ddbench.engine.model import Transformer
+    from ddbench.engine.weights import init_random
 
     model = Transformer(cfg, comm, moe_backend=moe, attn_backend=attn, device=device)
     if checkpoint is not None:
@@ -74,7 +74,7 @@ def build_model(cfg, comm, checkpoint: Path | None, moe: str, attn: str, seed: i
 def measure_rows(model, concurrency: list[int], prompt_len: int, new_tokens: int, seed: int,
                  graph: bool, copy_bw: float | None, base: dict, on_row) -> None:
     """Run `measure_decode` at each concurrency and hand a CSV row to `on_row`."""
-    from engine.decode import measure_decode, step_bytes
+    from ddbench.engine.decode import measure_decode, step_bytes
 
     for c in concurrency:
         r = measure_decode(model, c, prompt_len, new_tokens, seed, use_graph=None if graph else False)
@@ -102,8 +102,8 @@ def measure_rows(model, concurrency: list[int], prompt_len: int, new_tokens: int
 
 def check_fits(cfg, device: torch.device, n_streams: int, max_len: int) -> int:
     """Bytes of the rank's weights + KV cache; UserError if they cannot fit on `device`."""
-    from engine.model import Transformer
-    from engine.parallel import SimComm
+    from ddbench.engine.model import Transformer
+    from ddbench.engine.parallel import SimComm
 
     comm = SimComm(cfg.tp, cfg.rank, lambda n: 0.0)
     meta = Transformer(cfg, comm, device="meta", fused="torch")
@@ -127,12 +127,12 @@ def check_fits(cfg, device: torch.device, n_streams: int, max_len: int) -> int:
 def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
     """One process of a real TP run (see `ddbench.ranks`); rank 0 reports rows."""
     from ddbench.ranks import init_rank
-    from engine.config import preset as make_preset
-    from engine.parallel import DistComm
+    from ddbench.engine.config import preset as make_preset
+    from ddbench.engine.parallel import DistComm
 
     device = init_rank(rank, tp, port, kw["device"], 120)
     if kw["checkpoint"] is not None:
-        from engine.checkpoint import read_config
+        from ddbench.engine.checkpoint import read_config
         cfg = read_config(kw["checkpoint"], tp, rank)
     else:
         cfg = make_preset(kw["preset"], tp=tp, rank=rank, **kw["overrides"])
@@ -155,7 +155,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     from rich.progress import Progress
 
     from ddbench.results import ResultWriter, run_metadata
-    from engine.config import parse_overrides, preset as make_preset
+    from ddbench.engine.config import parse_overrides, preset as make_preset
 
     console = Console()
     from ddbench.ranks import check_layout
@@ -180,7 +180,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     overrides = parse_overrides(override)
     rank = simulate_rank or 0
     if checkpoint is not None:
-        from engine.checkpoint import read_config
+        from ddbench.engine.checkpoint import read_config
         cfg = read_config(checkpoint, tp, rank)
     else:
         cfg = make_preset(preset, tp=tp, rank=rank, **overrides)
@@ -214,7 +214,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
                 progress.advance(task)
             run_ranks(_rank_worker, tp, kw, on_row, "decode")
         else:
-            from engine.parallel import LocalComm, SimComm
+            from ddbench.engine.parallel import LocalComm, SimComm
 
             comm = SimComm(tp, rank, predict) if tp > 1 else LocalComm()
             writer.meta["model_bytes"] = check_fits(cfg, device, max(concurrency), prompt_len + new_tokens + 4)

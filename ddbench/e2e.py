@@ -62,7 +62,7 @@ def verify_split(profile: dict, verify_us: float, real_comm: bool = False) -> di
 
 def step_floor_bytes(model, drafter, c: int, budget: int, context: float, max_len: int) -> dict:
     """Bytes one step must read at least (budget 0: an AR step, no drafter)."""
-    from engine.decode import step_bytes
+    from ddbench.engine.decode import step_bytes
 
     cfg = model.cfg
     tokens = c * (budget + 1)
@@ -148,7 +148,7 @@ def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prom
     With an `errors` list, a budget whose run raises is reported (traceback on stderr, a
     line in `errors`) and the next budget runs; without one the exception propagates (a
     real TP run must fail on every rank alike)."""
-    from engine.spec import ARStep, Session, SpecStep
+    from ddbench.engine.spec import ARStep, Session, SpecStep
 
     g = torch.Generator().manual_seed(seed + c)
     lens = [prompt_lens[b % len(prompt_lens)] for b in range(c)]
@@ -206,7 +206,7 @@ def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prom
 def build_engine(cfg, comm, checkpoint, moe: str, attn: str, seed: int, device, init: str):
     """Target (checkpoint or random) and a random drafter of the same TP shard."""
     from ddbench.decode import build_model
-    from engine.drafter import Drafter, drafter_config
+    from ddbench.engine.drafter import Drafter, drafter_config
 
     model, used = build_model(cfg, comm, checkpoint, moe, attn, seed, device, init)
     drafter = Drafter(drafter_config(cfg), model, comm, device=device, dtype=model.dtype)
@@ -218,7 +218,7 @@ def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
     """One process of a real TP run (see `ddbench.ranks`); every rank runs the same sequence
     (same seeds, so the same prompts, draws and decisions) and rank 0 reports the rows."""
     from ddbench.ranks import init_rank
-    from engine.parallel import DistComm
+    from ddbench.engine.parallel import DistComm
 
     device = init_rank(rank, tp, port, kw["device"], 300)
     cfg = _config(kw["preset"], kw["checkpoint"], tp, rank, kw["overrides"])
@@ -234,10 +234,10 @@ def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
 
 
 def _config(preset: str, checkpoint, tp: int, rank: int, overrides: dict):
-    from engine.config import preset as make_preset
+    from ddbench.engine.config import preset as make_preset
 
     if checkpoint is not None:
-        from engine.checkpoint import read_config
+        from ddbench.engine.checkpoint import read_config
         return read_config(checkpoint, tp, rank)
     return make_preset(preset, tp=tp, rank=rank, **overrides)
 
@@ -308,10 +308,10 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     from ddbench.decode import allreduce_predictor, pick_backends
     from ddbench.ranks import check_layout
     from ddbench.results import ResultWriter, run_metadata
-    from engine.config import parse_overrides
-    from engine.drafter import drafter_config
-    from engine.parallel import LocalComm, SimComm
-    from engine.spec import parse_acceptance
+    from ddbench.engine.config import parse_overrides
+    from ddbench.engine.drafter import drafter_config
+    from ddbench.engine.parallel import LocalComm, SimComm
+    from ddbench.engine.spec import parse_acceptance
 
     console = Console()
     cuda = torch.cuda.is_available()

@@ -50,7 +50,7 @@ def load_tiles(path: Path | None):
     try:
         rows = json.loads(Path(path).read_text())
         table = sorted(((float(r.pop("max_per_expert")), r) for r in rows), key=lambda x: x[0])
-        from kernels.moe_triton import MoeTritonConfig
+        from ddbench.kernels.moe_triton import MoeTritonConfig
 
         for _, fields in table:
             MoeTritonConfig(**fields)
@@ -67,7 +67,7 @@ class Case:
 
     def __init__(self, cfg, w, tokens: int, routing: str, dtype, dev, seed: int, n_rot: int,
                  router=None, hot: int = 16, hot_share: float = 0.5):
-        from kernels.moe import route, synthetic_routing
+        from ddbench.kernels.moe import route, synthetic_routing
 
         self.tokens = tokens
         self.xs, self.routes = [], []
@@ -102,7 +102,7 @@ def roofline(cfg, w, tokens: int, touched: float, elt: int) -> dict[str, dict]:
 
 def stage_fns(backend: str, case: Case, w, mcfg, dtype):
     """{stage: fn()} for one backend, each fn cycling through the case's rotations."""
-    from kernels import moe
+    from ddbench.kernels import moe
 
     it = case.cycle()
     if backend == "torch":
@@ -121,7 +121,7 @@ def stage_fns(backend: str, case: Case, w, mcfg, dtype):
             return moe.moe_ref_w2(acts[r], *case.routes[r], w, dtype)
         return {"layer": layer, "w13": w13, "w2": w2}
 
-    from kernels import moe_triton as mt
+    from ddbench.kernels import moe_triton as mt
 
     if mcfg.gemv:
         return _gemv_stage_fns(case, w, mcfg, dtype, it)
@@ -146,8 +146,8 @@ def stage_fns(backend: str, case: Case, w, mcfg, dtype):
 def _gemv_stage_fns(case: Case, w, mcfg, dtype, it):
     """The CUDA-core path's stages (kernels.moe_gemv): w13 includes permuting x; w2 the
     SiLU*up*weight permute and the sum over k."""
-    from kernels import moe_gemv as mg
-    from kernels import moe_triton as mt
+    from ddbench.kernels import moe_gemv as mg
+    from ddbench.kernels import moe_triton as mt
 
     sms = mt.sm_count(case.xs[0].device)
     routes = [mg.gemv_routing(ids, w, mcfg) for ids, _ in case.routes]
@@ -199,8 +199,8 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
 
     from ddbench import timing
     from ddbench.results import ResultWriter, run_metadata
-    from engine.config import parse_overrides, preset as make_preset
-    from kernels import moe
+    from ddbench.engine.config import parse_overrides, preset as make_preset
+    from ddbench.kernels import moe
 
     cfg = make_preset(preset, tp=tp, rank=0, **parse_overrides(override))
     cfg.check_marlin()
@@ -247,7 +247,7 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
                         continue
                     mcfg = None
                     if backend == "triton":
-                        from kernels.moe_triton import default_config
+                        from ddbench.kernels.moe_triton import default_config
                         mcfg = default_config(t, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden,
                                               n_sms, table)
                     fns = stage_fns(backend, case, w, mcfg, dtype)
@@ -275,7 +275,7 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
 
 
 def _row(cfg, backend, stage, routing, t, case, roof, st, copy_gbps, gemm_tf, err, mcfg, dtype) -> dict:
-    from kernels.moe import expected_experts_touched
+    from ddbench.kernels.moe import expected_experts_touched
 
     us = st.median_us
     gbps = roof["bytes"] / (us * 1e-6) / 1e9

@@ -18,9 +18,9 @@ from rich.progress import Progress
 from ddbench import UserError
 from ddbench.results import atomic_write_text, ensure_out_dir, run_metadata, timestamp
 from ddbench.timing import pick_device
-from engine.config import ModelConfig, parse_overrides, preset as make_preset
-from engine.weights import residual_gain
-from kernels import ctensors, marlin, quant
+from ddbench.engine.config import ModelConfig, parse_overrides, preset as make_preset
+from ddbench.engine.weights import residual_gain
+from ddbench.kernels import ctensors, marlin, quant
 
 EXPERT_CHUNK = 16
 
@@ -162,8 +162,8 @@ def run(*, preset: str, tp: int, rank: int, layers: str, group_size: int | None,
 
 def write_hf_dir(cfg: ModelConfig, hf_dir: Path, seed: int) -> Path:
     """The whole random model (engine.weights, "exact" mode) as a Hugging Face checkpoint."""
-    from engine.checkpoint import write_checkpoint
-    from engine.weights import routed_bytes_full
+    from ddbench.engine.checkpoint import write_checkpoint
+    from ddbench.engine.weights import routed_bytes_full
 
     if hf_dir.exists() and any(hf_dir.iterdir()):
         raise UserError(f"--hf-dir {hf_dir} exists and is not empty")

@@ -110,9 +110,9 @@ def run(*, budgets, streams, prefixes, heads, topk, positions, dtype, kernels, m
         os.environ["TRITON_INTERPRET"] = "1"
     from ddbench.results import ResultWriter, run_metadata
     from ddbench.timing import bench, copy_bandwidth_gbps
-    from engine.config import parse_overrides, preset as make_preset
-    from kernels.ddtree import build_tree, commit_kv, greedy_accept, max_nodes, topk_from_logits
-    from kernels.mla_attn import mla_attention, mla_attention_ref
+    from ddbench.engine.config import parse_overrides, preset as make_preset
+    from ddbench.kernels.ddtree import build_tree, commit_kv, greedy_accept, max_nodes, topk_from_logits
+    from ddbench.kernels.mla_attn import mla_attention, mla_attention_ref
 
     bad = [k for k in kernels if k not in KERNELS]
     if bad:
@@ -282,8 +282,8 @@ def run_tune(*, topk, positions, reps, seed, out, name, time_limit_s=40.0):
 
     from ddbench.results import ResultWriter, run_metadata
     from ddbench.timing import bench, copy_bandwidth_gbps
-    from kernels.ddtree import build_tree, topk_from_logits
-    from kernels.mla_attn import mla_attention, mla_attention_ref
+    from ddbench.kernels.ddtree import build_tree, topk_from_logits
+    from ddbench.kernels.mla_attn import mla_attention, mla_attention_ref
 
     if not torch.cuda.is_available():
         raise UserError("--tune needs a CUDA GPU")

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ConfigError, ModelConfig, preset as make_preset, with_overrides
-from engine import weights as W
-from kernels import ctensors
+from ddbench.engine.config import ConfigError, ModelConfig, preset as make_preset, with_overrides
+from ddbench.engine import weights as W
+from ddbench.kernels import ctensors
 
 INDEX = "model.safetensors.index.json"
 
@@ -239,7 +239,7 @@ def _read_expert(rd: Reader, cfg: ModelConfig, layer: int, e: int, proj: str, i0
 def load_checkpoint(path: Path, tp: int = 1, rank: int = 0, comm=None, device=None,
                     dtype=torch.bfloat16, **model_kw):
     """Build a Transformer from a checkpoint directory, sharded for rank `rank` of `tp`."""
-    from engine.model import Transformer
+    from ddbench.engine.model import Transformer
 
     cfg = read_config(path, tp, rank)
     model = Transformer(cfg, comm, device=device, dtype=dtype, **model_kw)
@@ -263,7 +263,7 @@ def write_checkpoint(cfg: ModelConfig, path: Path, seed: int = 0, progress=None)
     """
     from safetensors.torch import save_file
 
-    from engine.model import Transformer
+    from ddbench.engine.model import Transformer
 
     full = cfg.shard(1, 0)
     path = Path(path)

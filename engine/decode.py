@@ -34,8 +34,8 @@ import time
 
 import torch
 
-from engine.model import Transformer, causal_visible
-from engine.phases import PhaseTimer
+from ddbench.engine.model import Transformer, causal_visible
+from ddbench.engine.phases import PhaseTimer
 
 PHASES = ("attention", "moe", "mlp", "comm", "lm_head", "other")
 HEAD_START_CYCLES = 200_000_000   # ~0.1 s of GPU spin before the phase-timed eager step

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ConfigError
-from engine.parallel import ColumnParallelLinear, Comm, RowParallelLinear
-from engine.phases import phase
+from ddbench.engine.config import ConfigError
+from ddbench.engine.parallel import ColumnParallelLinear, Comm, RowParallelLinear
+from ddbench.engine.phases import phase
 
 
 @dataclass

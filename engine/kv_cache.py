@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
-from kernels.ddtree import commit_kv_ref
+from ddbench.engine.config import ModelConfig
+from ddbench.kernels.ddtree import commit_kv_ref
 
 
 class KVCache:

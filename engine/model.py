@@ -16,15 +16,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ConfigError, ModelConfig
-from engine.kv_cache import KVCache
-from engine.parallel import (ColumnParallelLinear, Comm, Linear, LocalComm, ParallelLMHead,
+from ddbench.engine.config import ConfigError, ModelConfig
+from ddbench.engine.kv_cache import KVCache
+from ddbench.engine.parallel import (ColumnParallelLinear, Comm, Linear, LocalComm, ParallelLMHead,
                              RowParallelLinear, VocabParallelEmbedding)
-from engine.phases import phase
-from engine.rope import rope_cos_sin, yarn_freqs
-from kernels import fused_ops, mla_decode, pdl, skinny
-from kernels.moe import MarlinMoE, fused_moe, route, uses_gemv
-from kernels.skinny import heads_linear, linear
+from ddbench.engine.phases import phase
+from ddbench.engine.rope import rope_cos_sin, yarn_freqs
+from ddbench.kernels import fused_ops, mla_decode, pdl, skinny
+from ddbench.kernels.moe import MarlinMoE, fused_moe, route, uses_gemv
+from ddbench.kernels.skinny import heads_linear, linear
 
 SIDE_STREAM = True   # CUDA: the shared expert's gate/up GEMM runs on a second stream (MoE.forward)
 
@@ -106,10 +106,10 @@ class RMSNorm(nn.Module):
 
 def _attention_fn(backend: str):
     if backend == "torch":
-        from kernels.mla_attn import mla_attention_ref
+        from ddbench.kernels.mla_attn import mla_attention_ref
         return mla_attention_ref
     if backend == "triton":
-        from kernels import mla_attn
+        from ddbench.kernels import mla_attn
         if not hasattr(mla_attn, "mla_attention"):
             raise ConfigError("attn_backend='triton' but kernels.mla_attn has no mla_attention yet")
         return mla_attn.mla_attention

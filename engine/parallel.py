@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.phases import phase
-from kernels.skinny import linear
+from ddbench.engine.phases import phase
+from ddbench.kernels.skinny import linear
 
 
 class Comm:

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from engine.config import ModelConfig
+from ddbench.engine.config import ModelConfig
 
 
 def _correction_dim(n_rot: float, dim: int, base: float, max_pos: int) -> float:

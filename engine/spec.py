@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ConfigError
-from engine.phases import PhaseTimer
-from kernels import ddtree
+from ddbench.engine.config import ConfigError
+from ddbench.engine.phases import PhaseTimer
+from ddbench.kernels import ddtree
 
 PHASES = ("draft", "tree", "verify", "accept", "context")
 HEAD_START_CYCLES = 200_000_000   # ~0.1 s of GPU spin before the phase-timed eager verify

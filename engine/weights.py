@@ -45,8 +45,8 @@ import zlib
 
 import torch
 
-from engine.config import ModelConfig
-from kernels import marlin, quant
+from ddbench.engine.config import ModelConfig
+from ddbench.kernels import marlin, quant
 
 EXPERT_CHUNK = 16          # experts per generator seed in "exact" mode (also the writer)
 SHARD_EXPERT_CHUNK = 64    # experts per step in "shard" mode (bounds temporary memory)

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, ticket
-from kernels.moe_triton import sm_count
+from ddbench.kernels import pdl, ticket
+from ddbench.kernels.moe_triton import sm_count
 
 # phase table columns (int64): W's offset, its shape, x's and y's offsets, row blocks, K splits,
 # K per split, the region zeroed (offset, length)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.chain import K, N, W_OFF, X_OFF, Y_OFF, Chain
+from ddbench.kernels.chain import K, N, W_OFF, X_OFF, Y_OFF, Chain
 
 SLOTS, SLOT = 8, 20 * 1024       # the ring of an SM: 160 KB (+ two x buffers of the largest K)
 MAX_PHASES = 64                  # (MAXPH)
@@ -80,7 +80,7 @@ def plan(chain: Chain, slot: int = SLOT, spread: bool = True) -> Plan:
 @functools.lru_cache(maxsize=None)
 def _kernel(slots: int, slot: int, kmax: int, split: int, rb: int, vecs: int, publisher: bool, marks: bool,
             device: torch.device):
-    from kernels.cuda import Kernel
+    from ddbench.kernels.cuda import Kernel
     return Kernel("dataflow.cu", "dataflow", {"SLOTS": slots, "SLOT": slot, "KMAX": kmax, "SPLIT": split, "RB": rb,
                                               "VECS": vecs, "PUBLISHER": int(publisher), "MARKS": int(marks)}, device)
 
@@ -104,7 +104,7 @@ def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = 
     free x buffer, in its consumer teams (summed over the teams) waiting for x and for their
     tiles, multiplying them (and storing the rows), publishing them (with `publisher`: the
     publisher lane's wait for its release); the tiles it multiplied."""
-    from kernels.moe_triton import sm_count
+    from ddbench.kernels.moe_triton import sm_count
     device = pl.table.device
     programs = programs or sm_count(device)
     if programs > sm_count(device):

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from ddbench.kernels import pdl
 
 
 def _pow2(n: int) -> int:

@@ -15,8 +15,8 @@ import functools
 
 import torch
 
-from kernels.cuda import Kernel
-from kernels.moe_triton import sm_count
+from ddbench.kernels.cuda import Kernel
+from ddbench.kernels.moe_triton import sm_count
 
 SHARED_BUDGET = 110 * 1024   # bytes a program: two programs (two kernels) fit on an H200 SM (228 KB)
 MAX_STAGES = 8

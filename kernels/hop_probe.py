@@ -32,7 +32,7 @@ SHARED = 160 * 1024                                         # dynamic shared mem
 
 @functools.lru_cache(maxsize=None)
 def _kernel(mode: int, device: torch.device):
-    from kernels.cuda import Kernel
+    from ddbench.kernels.cuda import Kernel
     return Kernel("hop_probe.cu", "hop", {"MODE": mode}, device)
 
 

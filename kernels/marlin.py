@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import ctensors, quant
+from ddbench.kernels import ctensors, quant
 
 
 def _weight_perm() -> torch.Tensor:

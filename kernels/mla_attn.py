@@ -51,8 +51,8 @@ def project(o: torch.Tensor, out_proj: torch.Tensor) -> torch.Tensor:
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels import pdl  # noqa: E402
-from kernels.skinny import heads_linear  # noqa: E402
+from ddbench.kernels import pdl  # noqa: E402
+from ddbench.kernels.skinny import heads_linear  # noqa: E402
 
 LOG2E = 1.4426950408889634
 # at most this many chunks per stream (0: no cap): with min_chunk 32 a short decode cache is

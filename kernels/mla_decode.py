@@ -20,8 +20,8 @@ import os
 
 import torch
 
-from kernels import pdl
-from kernels.mla_attn import mla_attention_ref
+from ddbench.kernels import pdl
+from ddbench.kernels.mla_attn import mla_attention_ref
 
 ENABLED = os.environ.get("DDBENCH_MLA_DECODE", "1") != "0"
 # streams a call may have (read at each call): at one stream the c=1 step was 356 us faster
@@ -50,7 +50,7 @@ def fits(q: torch.Tensor, wkv_b: torch.Tensor, ckv: torch.Tensor, kpe: torch.Ten
 
 @functools.lru_cache(maxsize=None)
 def _kernel(rows: int, device: torch.device):
-    from kernels.cuda import Kernel
+    from ddbench.kernels.cuda import Kernel
     return Kernel("mla_decode.cu", "mla_decode", {"MAXP": rows}, device)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import marlin
+from ddbench.kernels import marlin
 
 
 @dataclass
@@ -71,12 +71,12 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if backend == "torch":
         return fused_moe_ref(x, topk_ids, topk_weights, w)
     if backend == "triton":
-        from kernels.moe_triton import check_inputs, fused_moe_triton
+        from ddbench.kernels.moe_triton import check_inputs, fused_moe_triton
 
         cfg = _default_config(topk_ids.shape[0], topk_ids.shape[1], w, x.device, stream_rows)
         if cfg.gemv and (x_half is not None or not sum_k):
-            from kernels.moe_gemv import fused_moe_gemv
-            from kernels.moe_triton import sm_count
+            from ddbench.kernels.moe_gemv import fused_moe_gemv
+            from ddbench.kernels.moe_triton import sm_count
 
             check_inputs(x, topk_ids, topk_weights, w, cfg)
             if x_half is not None and (x_half.shape != x.shape or x_half.dtype != torch.float16):
@@ -87,7 +87,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 def _default_config(tokens: int, top_k: int, w: MarlinMoE, device, stream_rows: int = 1):
-    from kernels.moe_triton import default_config, sm_count
+    from ddbench.kernels.moe_triton import default_config, sm_count
 
     return default_config(tokens, top_k, w.n_experts, w.inter, w.hidden, sm_count(device), stream_rows=stream_rows)
 
@@ -129,7 +129,7 @@ def random_marlin_moe(n_experts: int, hidden: int, inter: int, group_size: int =
     inter is the shard's intermediate size (I/tp). Scales give w13 outputs unit variance
     and w2 an extra 1/sqrt(top_k), so the weighted sum over the k experts keeps unit scale.
     """
-    from kernels import quant
+    from ddbench.kernels import quant
 
     marlin.check_shape(hidden, 2 * inter, group_size)
     marlin.check_shape(inter, hidden, group_size)

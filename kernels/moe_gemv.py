@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import moe_w2, pdl, ticket
-from kernels.moe_triton import _block_rows, _scale_col, align_tokens
+from ddbench.kernels import moe_w2, pdl, ticket
+from ddbench.kernels.moe_triton import _block_rows, _scale_col, align_tokens
 
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
 FUSE_ACT = True  # block_m 1: SiLU(gate) * up * weight in w13's last program per assignment (read at each call)

@@ -532,7 +532,7 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                                    w.hidden, sm_count(x.device))
     check_inputs(x, topk_ids, topk_weights, w, cfg)
     if cfg.gemv:
-        from kernels.moe_gemv import fused_moe_gemv
+        from ddbench.kernels.moe_gemv import fused_moe_gemv
         return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device))
     routing = align_tokens(topk_ids, w.n_experts, cfg.block_m)
     mid = triton_w13(x, routing, topk_ids.shape[1], w, cfg)

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from kernels import marlin, pdl
+from ddbench.kernels import marlin, pdl
 
 ENABLED = os.environ.get("DDBENCH_MOE_W2", "1") != "0"
 THREADS = 256
@@ -39,7 +39,7 @@ def fits(act: torch.Tensor, w) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(inter: int, group: int, device: torch.device):
-    from kernels.cuda import Kernel
+    from ddbench.kernels.cuda import Kernel
     return Kernel("moe_w2.cu", "moe_w2", {"I": inter, "G": group}, device)
 
 

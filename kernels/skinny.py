@@ -28,9 +28,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import gemv, pdl, ticket
-from kernels.fused_ops import route_row
-from kernels.moe_triton import sm_count
+from ddbench.kernels import gemv, pdl, ticket
+from ddbench.kernels.fused_ops import route_row
+from ddbench.kernels.moe_triton import sm_count
 
 MAX_ROWS = 4
 MAX_N_OVER_K = 1   # `fits`: W with at most this many rows per column (read at each call)
@@ -337,7 +337,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 def norm_linear_ref(x, norm_w, eps, w, residual=None, glu=False):
     """The unfused meaning of `norm_linear`: (y, h or None, xn) (xh is `half_rows(xn)`)."""
-    from kernels.fused_ops import rms_norm_ref, silu_mul_ref
+    from ddbench.kernels.fused_ops import rms_norm_ref, silu_mul_ref
 
     xn, h = rms_norm_ref(x, norm_w, eps, residual) if residual is not None else (rms_norm_ref(x, norm_w, eps), None)
     y = F.linear(xn, w)

@@ -1,10 +1,10 @@
-"""kernels.chain: a chain of dependent GEMVs, one phase a launch (CPU interpreter) and in one
+"""ddbench.kernels.chain: a chain of dependent GEMVs, one phase a launch (CPU interpreter) and in one
 persistent launch with grid barriers (GPU), against the fp32 torch chain."""
 import pytest
 import torch
 
-from kernels import chain
-from kernels.moe_triton import sm_count
+from ddbench.kernels import chain
+from ddbench.kernels.moe_triton import sm_count
 
 # phase (n, k, src): ragged n and k (tiles and K splits with tails), inputs from the input,
 # the previous phase and an older one
@@ -74,7 +74,7 @@ def test_gpu_chain_with_barriers_replays_in_a_cuda_graph():
 
 
 def test_layers_chains_the_dense_gemvs_of_each_layer_to_the_one_before():
-    from engine.config import preset
+    from ddbench.engine.config import preset
     dense = preset("k2.6", tp=8).dense_shapes()
     shapes = chain.layers(dense, 2)
     assert [(n, k) for n, k, _ in shapes[:6]] == [dense[name] for name in chain.LAYER_SRC]

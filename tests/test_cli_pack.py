@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from ddbench.cli import app
-from kernels import marlin
+from ddbench.kernels import marlin
 
 runner = CliRunner()
 
@@ -34,7 +34,7 @@ def test_pack_tiny_tp8_writes_verified_marlin(tmp_path):
     assert tuple(w13.shape) == (16, 256 // 16, 4 * 32)
     # the Marlin shard holds rank 5's slice of the checkpoint's gate rows
     ck = load_file(str(d / "layer01.checkpoint.safetensors"))
-    from kernels import ctensors
+    from ddbench.kernels import ctensors
     q_gate, _ = ctensors.from_checkpoint({k.split(".")[-1]: v for k, v in ck.items()
                                           if k.startswith("model.layers.1.mlp.experts.3.gate_proj.")})
     logical = marlin.unpack(w13[3], 256, 64)

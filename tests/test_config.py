@@ -1,6 +1,6 @@
 import pytest
 
-from engine.config import ConfigError, parse_overrides, preset
+from ddbench.engine.config import ConfigError, parse_overrides, preset
 
 
 def test_k26_facts_and_tp8_rank_shapes():
@@ -15,8 +15,8 @@ def test_k26_facts_and_tp8_rank_shapes():
 def test_dense_shapes_are_the_models_weights():
     """config.dense_shapes names the [N, K] of the bf16 GEMM weights the model builds (tiny,
     rank 1 of 2), and the K2.6 TP-8 decode shapes the GPU benchmarks time."""
-    from engine.model import Transformer
-    from engine.parallel import SimComm
+    from ddbench.engine.model import Transformer
+    from ddbench.engine.parallel import SimComm
     cfg = preset("tiny", tp=2, rank=1)
     m = Transformer(cfg, SimComm(2, 1, lambda n: 0.0), device="meta")
     dense, moe = m.layers[0], m.layers[1]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.ddtree import (build_tree, build_tree_ref, commit_kv, commit_kv_ref, greedy_accept,
+from ddbench.kernels.ddtree import (build_tree, build_tree_ref, commit_kv, commit_kv_ref, greedy_accept,
                             greedy_accept_ref, max_nodes, topk_from_logits)
 
 FIELDS = ("parent", "depth", "rank", "token", "visible")

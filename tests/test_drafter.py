@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from engine.config import ConfigError, preset
-from engine.drafter import Drafter, DrafterConfig, DrafterLayer, drafter_config
-from engine.model import Transformer
-from engine.parallel import Comm, LocalComm, SimComm
-from engine.weights import init_random
+from ddbench.engine.config import ConfigError, preset
+from ddbench.engine.drafter import Drafter, DrafterConfig, DrafterLayer, drafter_config
+from ddbench.engine.model import Transformer
+from ddbench.engine.parallel import Comm, LocalComm, SimComm
+from ddbench.engine.weights import init_random
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_gqa_matches_repeated_heads(target):
     x = torch.randn(n, b, dc.hidden)
     got = layer(x, pos, freqs, ck, cv, mask)
     # reference: explicit per-head softmax over [valid context, block]
-    from engine.drafter import rope
+    from ddbench.engine.drafter import rope
     xn = layer.attn_norm(x)
     q = rope(layer.q_norm(layer.wq(xn).view(n, b, -1, hd)), pos, freqs)
     kb, vb = layer.kv(xn, pos, freqs)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import preset
-from engine.kv_cache import KVCache
-from engine.model import Transformer, causal_visible
-from engine.parallel import SimComm
-from engine.weights import init_random
+from ddbench.engine.config import preset
+from ddbench.engine.kv_cache import KVCache
+from ddbench.engine.model import Transformer, causal_visible
+from ddbench.engine.parallel import SimComm
+from ddbench.engine.weights import init_random
 
 
 def tiny_model(tp=1, rank=0, comm=None, seed=0, **over):
@@ -119,7 +119,7 @@ def _tp_worker(rank, tp, port, tokens, out_path):
 
     import torch.distributed as dist
 
-    from engine.parallel import DistComm
+    from ddbench.engine.parallel import DistComm
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -150,7 +150,7 @@ def test_tp2_gloo_equals_tp1(tmp_path):
 # ---- MoE backends ----------------------------------------------------------------------
 
 def test_triton_moe_path_equals_reference():
-    pytest.importorskip("kernels.moe_triton")
+    pytest.importorskip("ddbench.kernels.moe_triton")
     ref = tiny_model()
     tri = Transformer(ref.cfg, moe_backend="triton", dtype=torch.float32)
     tri.load_state_dict(ref.state_dict())
@@ -200,7 +200,7 @@ def hf_dir(tmp_path_factory):
 
 
 def test_packed_checkpoint_loads_to_identical_logits(hf_dir):
-    from engine.checkpoint import load_checkpoint
+    from ddbench.engine.checkpoint import load_checkpoint
 
     tokens = torch.randint(0, 1024, (2, 4), generator=torch.Generator().manual_seed(3))
     loaded = load_checkpoint(hf_dir, dtype=torch.float32)
@@ -219,7 +219,7 @@ def test_nested_config_and_rope_parameters(hf_dir, tmp_path):
     import json
     import shutil
 
-    from engine.checkpoint import read_config
+    from ddbench.engine.checkpoint import read_config
 
     d = tmp_path / "nested"
     shutil.copytree(hf_dir, d)
@@ -283,7 +283,7 @@ def test_corrupt_checkpoint_is_one_line_error(hf_dir, tmp_path, case, tensor, fn
 # ---- decoding --------------------------------------------------------------------------
 
 def test_decoder_greedy_matches_forward_argmax():
-    from engine.decode import Decoder, measure_decode
+    from ddbench.engine.decode import Decoder, measure_decode
 
     m = tiny_model()
     prompts = torch.randint(0, 1024, (2, 4), generator=torch.Generator().manual_seed(0))
@@ -337,7 +337,7 @@ def gpu_model(batch_dtype=torch.bfloat16, **over):
 
 @pytest.mark.gpu
 def test_gpu_graph_decode_equals_eager_and_times_phases():
-    from engine.decode import Decoder, measure_decode
+    from ddbench.engine.decode import Decoder, measure_decode
 
     m = gpu_model(torch.float32)  # fp32: split-K atomics cannot flip a token between runs
     assert m.ops.kind == "triton"
@@ -358,8 +358,8 @@ def test_gpu_side_stream_gives_the_same_logits(monkeypatch):
     """The shared expert's gate/up GEMM on a side stream (engine.model.SIDE_STREAM, skinny
     path: bf16, few rows) changes the schedule, not the maths: the same logits bit for bit
     as on one stream, and the same graph-decoded tokens."""
-    import engine.model as em
-    from engine.decode import Decoder
+    import ddbench.engine.model as em
+    from ddbench.engine.decode import Decoder
 
     m = gpu_model()
     asked = []
@@ -407,7 +407,7 @@ def test_prefixed_checkpoint_names_load(hf_dir, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from engine.checkpoint import load_checkpoint
+    from ddbench.engine.checkpoint import load_checkpoint
 
     d = tmp_path / "prefixed"
     shutil.copytree(hf_dir, d)
@@ -423,7 +423,7 @@ def test_prefixed_checkpoint_names_load(hf_dir, tmp_path):
 def test_phase_timer_attributes_nested_and_merged_phases():
     import time
 
-    from engine.phases import PhaseTimer, phase
+    from ddbench.engine.phases import PhaseTimer, phase
 
     for merge in (False, True):
         t = PhaseTimer("cpu", merge=merge)

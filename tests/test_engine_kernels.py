@@ -1,11 +1,11 @@
-"""kernels.fused_ops: each Triton kernel against its torch reference on fresh random inputs
+"""ddbench.kernels.fused_ops: each Triton kernel against its torch reference on fresh random inputs
 (TRITON_INTERPRET=1 on CPU, fp32; bf16 on the GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import fused_ops as F
+from ddbench.kernels import fused_ops as F
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else [])
@@ -74,7 +74,7 @@ def test_silu_mul(dtype):
 
 @pytest.mark.parametrize("e, k", [(16, 4), (48, 8)])
 def test_route_matches_reference_and_kernels_moe(e, k):
-    from kernels.moe import route as moe_route
+    from ddbench.kernels.moe import route as moe_route
 
     g = gen(5)
     x, gate, bias = randn(7, 32, g=g), randn(e, 32, g=g) / 6, 0.1 * randn(e, g=g)
@@ -103,9 +103,9 @@ def _decode_step(model, seed=3, plen=5):
 def _small_inter_models(dtype, device, ref_fused="torch", attn="torch"):
     """tiny with w13 [256, 256] and wq_b [128, 128] (N <= K, as in K2.6, so the skinny path
     takes them): a reference and a fused-ops model with the same weights."""
-    from engine.config import preset
-    from engine.model import Transformer
-    from engine.weights import init_random
+    from ddbench.engine.config import preset
+    from ddbench.engine.model import Transformer
+    from ddbench.engine.weights import init_random
 
     cfg = preset("tiny", dense_inter=128, moe_inter=128, n_heads=4, q_lora_rank=128)
     ref = Transformer(cfg, moe_backend="triton", attn_backend=attn, device=device, dtype=dtype, fused=ref_fused)
@@ -127,7 +127,7 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     interpreter runs programs one by one: 65 s -> about 10 s on 2 CPU cores; the router's gate
     GEMM keeps 1 column a program, 16 programs for its ticket); narrow tiles, incl. 1 and
     2 columns, are covered by test_skinny."""
-    from kernels import fused_ops, moe_gemv, skinny
+    from ddbench.kernels import fused_ops, moe_gemv, skinny
 
     monkeypatch.setattr(skinny, "sm_count", lambda device: 8)
     monkeypatch.setattr(skinny, "MAX_ROWS", max_rows)
@@ -169,7 +169,7 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
 def test_gpu_bf16_fused_decode_step_close_to_unfused(monkeypatch):
     """bf16 on the GPU with the real `skinny.fits`: the fused decode step against the same
     model with skinny.MAX_ROWS = 0 (the unfused launches) and against the fp32 torch model."""
-    from kernels import skinny
+    from ddbench.kernels import skinny
 
     ref, tri = _small_inter_models(torch.bfloat16, "cuda", ref_fused="triton", attn="triton")
     got, _ = _decode_step(tri)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels import ctensors, marlin, quant
+from ddbench.kernels import ctensors, marlin, quant
 
 
 def _nibble(word: int, i: int) -> int:

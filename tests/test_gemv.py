@@ -1,12 +1,12 @@
-"""kernels.gemv (CUDA, compiled with NVRTC): the preloading GEMV against its torch reference at
+"""ddbench.kernels.gemv (CUDA, compiled with NVRTC): the preloading GEMV against its torch reference at
 every tile shape and fusion, and as a chain of dependent launches with PDL, eagerly and in a
 CUDA graph; on CPU, the reference against the engine's own references (the GPU tests check
 the kernel against the right meaning)."""
 import pytest
 import torch
 
-from engine.config import preset
-from kernels import fused_ops, gemv, skinny
+from ddbench.engine.config import preset
+from ddbench.kernels import fused_ops, gemv, skinny
 
 
 def test_config_fits_two_programs_an_sm_and_tiles_divide_k():
@@ -115,7 +115,7 @@ def test_gpu_gemv_chain_with_pdl_equals_plain_launches_and_graph_replays():
 @pytest.mark.gpu
 def test_gpu_skinny_entry_points_with_cuda_gemv_match_the_triton_path(monkeypatch):
     """skinny.CUDA_GEMV sends the engine's one-row calls to kernels.gemv: same results."""
-    from kernels import pdl
+    from ddbench.kernels import pdl
     if not pdl.on(torch.empty(1, device="cuda")):
         pytest.skip("needs sm_90+")
     g = torch.Generator(device="cuda").manual_seed(9)

@@ -4,7 +4,7 @@ the CPU interpreter; K2.6 dims (512 + 64) and bf16 on the GPU."""
 import pytest
 import torch
 
-from kernels.mla_attn import mla_attention, mla_attention_ref, project
+from ddbench.kernels.mla_attn import mla_attention, mla_attention_ref, project
 
 
 def tree_visible(b, t, gen, device="cpu"):
@@ -110,7 +110,7 @@ def test_work_split_by_live_length(case):
 def test_chunk_cap_per_stream(monkeypatch, cap):
     """MAX_CHUNKS caps the chunks of the longest stream (2: chunks grow to half of it), or
     not at all (0); a short stream beside it still attends to its own KV only."""
-    import kernels.mla_attn as ma
+    import ddbench.kernels.mla_attn as ma
 
     monkeypatch.setattr(ma, "MAX_CHUNKS", cap)
     gen = torch.Generator().manual_seed(17 + cap)

@@ -1,4 +1,4 @@
-"""kernels.mla_decode (CUDA, decode attention in one launch): what it takes; on CPU its torch
+"""ddbench.kernels.mla_decode (CUDA, decode attention in one launch): what it takes; on CPU its torch
 reference against the three-step path it replaces; on the GPU the kernel against that
 reference on fresh random inputs (several prefix lengths in one batch, the token seeing
 itself or not), with PDL in a replayed CUDA graph after the kernel that writes its query,
@@ -6,8 +6,8 @@ and in the model (same logits as the three launches, graph decode == eager)."""
 import pytest
 import torch
 
-from kernels import mla_decode
-from kernels.mla_attn import mla_attention_ref
+from ddbench.kernels import mla_decode
+from ddbench.kernels.mla_attn import mla_attention_ref
 
 DN, DR, DV, L = mla_decode.DN, mla_decode.DR, mla_decode.DV, mla_decode.L
 
@@ -72,7 +72,7 @@ def test_gpu_with_pdl_in_a_replayed_graph():
     (kernels.gemv: it lets its dependents in before its own wait) writes the query, and the
     kernel runs as its PDL dependent; captured once, replayed with new inputs and a longer
     prefix each time."""
-    from kernels.gemv import gemv
+    from ddbench.kernels.gemv import gemv
 
     p = _inputs(1, 8, 256, [100], "cuda", seed=5)
     g = torch.Generator(device="cuda").manual_seed(6)
@@ -103,7 +103,7 @@ def test_gpu_with_pdl_in_a_replayed_graph():
 
 @pytest.mark.gpu
 def test_gpu_model_with_the_one_launch_attention_matches_three_launches(monkeypatch):
-    from engine.decode import Decoder
+    from ddbench.engine.decode import Decoder
     from tests.test_engine import gpu_model
 
     monkeypatch.setattr(mla_decode, "MAX_STREAMS", 2)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels import marlin
-from kernels.moe import (MarlinMoE, expected_experts_touched, fused_moe_ref, moe_ref_w13, moe_ref_w2,
+from ddbench.kernels import marlin
+from ddbench.kernels.moe import (MarlinMoE, expected_experts_touched, fused_moe_ref, moe_ref_w13, moe_ref_w2,
                          random_marlin_moe, random_router, route, synthetic_routing)
 
 
@@ -63,7 +63,7 @@ def test_staged_reference_equals_fused_reference():
 def test_router_bias_selects_but_does_not_weight():
     """noaux_tc: the correction bias pulls an expert into the top-k, but its weight is the
     plain sigmoid score renormalised over the chosen experts (times the scaling)."""
-    from kernels.moe import route
+    from ddbench.kernels.moe import route
 
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(5, 32, generator=gen)

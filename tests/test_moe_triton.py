@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from engine.config import preset
-from kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing
-from kernels.moe_triton import MoeTritonConfig, align_tokens, check_inputs, default_config, fused_moe_triton, sm_count
+from ddbench.engine.config import preset
+from ddbench.kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing
+from ddbench.kernels.moe_triton import MoeTritonConfig, align_tokens, check_inputs, default_config, fused_moe_triton, sm_count
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,7 +73,7 @@ def test_gemv_matches_reference(tp, tokens, mcfg):
 def test_gemv_half_rows():
     """half_rows: x cast to fp16 in its natural order; the gated form is SiLU(sum gate) *
     sum up * weight over the K splits of w13's partials, in fp16."""
-    from kernels.moe_gemv import half_rows
+    from ddbench.kernels.moe_gemv import half_rows
     x = torch.randn(3, 64, device=DEV)
     assert torch.equal(half_rows(x), x.half())
     part = torch.randn(2, 3, 128, device=DEV)                  # [S, rows, 2K]
@@ -87,8 +87,8 @@ def test_gemv_half_rows():
 def test_fused_moe_gemv_options_x_half_and_rows(seed):
     """fused_moe's CUDA-core options: a pre-permuted x (as the fused router GEMM writes it) and
     the unsummed k rows give the default call's result; sum_k=False off that path is an error."""
-    from kernels.moe import fused_moe, uses_gemv
-    from kernels.moe_gemv import half_rows
+    from ddbench.kernels.moe import fused_moe, uses_gemv
+    from ddbench.kernels.moe_gemv import half_rows
 
     tokens = 1   # 4 of 16 experts: the CUDA-core path
     cfg, w = tiny_weights(8, seed=20 + seed)
@@ -107,7 +107,7 @@ def test_fused_moe_gemv_options_x_half_and_rows(seed):
 
 def _counters_zero(x: torch.Tensor) -> bool:
     """Whether the "moe_act" ticket counters of x's device are all zero."""
-    from kernels import ticket
+    from ddbench.kernels import ticket
     return not ticket.counters(x.device, "moe_act", ticket.MAX_COUNTERS).any()
 
 
@@ -120,7 +120,7 @@ def test_gemv_fused_act_equals_unfused(monkeypatch, tp, tokens, bn13, split, act
     """block_m 1 with FUSE_ACT: w13's last program per assignment writes exactly the act
     `half_rows(partials, weights, S)` writes, so the MoE output is bit-identical to the
     unfused launches; both match the reference; the ticket counters are zero again after."""
-    from kernels import moe_gemv as mg
+    from ddbench.kernels import moe_gemv as mg
 
     monkeypatch.setattr(mg, "ACT_BLOCK", act_block)
     cfg, w = tiny_weights(tp, seed=30 + seed)
@@ -145,7 +145,7 @@ def test_default_config_blocks_rows_of_a_stream():
     STREAM_TILES up to its last bound (0.3 a expert), TILE_TABLE beyond; one token a stream
     (decode) keeps TILE_TABLE's one row a block there; both sort into 16-row blocks up to
     10.7 a expert (T = 512 at K2.6) and take the tl.dot kernel above."""
-    from kernels import moe_triton as mt
+    from ddbench.kernels import moe_triton as mt
 
     cfg = preset("k2.6", tp=8)
     shape = (cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden)
@@ -273,8 +273,8 @@ def test_gemv_fused_act_bf16_k26_graph(monkeypatch):
     """K2.6 TP-8 shapes, bf16, block_m 1 (T = 1, 16): w13 with the act fused gives the bits of
     the unfused launches, eagerly and in a CUDA graph replayed 3 times on new inputs; the
     ticket counters are zero after each."""
-    from kernels import moe_gemv as mg
-    from kernels.moe_triton import default_config
+    from ddbench.kernels import moe_gemv as mg
+    from ddbench.kernels.moe_triton import default_config
 
     cfg = preset("k2.6", tp=8)
     w = random_marlin_moe(32, cfg.hidden, cfg.moe_inter_local, cfg.group_size, cfg.top_k, device="cuda")
@@ -324,7 +324,7 @@ def test_gemv_tensor_cores_match_reference(monkeypatch, name, tp, tokens, bm, bn
     """The gemv's tensor-core loop (kernels.moe_gemv `_mma_loop`, sorted row blocks) against
     the reference and against its packed fp16 loop, 2-16 rows a block, 1-4 warps (BN 64-256),
     grouped and per-channel scales."""
-    from kernels import moe_gemv as mg
+    from ddbench.kernels import moe_gemv as mg
 
     cfg = preset(name, tp=tp)
     n_exp = min(32, cfg.n_experts)

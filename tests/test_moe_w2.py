@@ -1,13 +1,13 @@
-"""kernels.moe_w2 (CUDA, a decode token's routed w2 with its weights loaded before the PDL
+"""ddbench.kernels.moe_w2 (CUDA, a decode token's routed w2 with its weights loaded before the PDL
 wait): on CPU its torch reference against the Triton GEMV it replaces (interpreter); on the
 GPU the kernel against that reference on fresh random experts and acts, with PDL in a
 replayed CUDA graph after the w13 GEMV that writes its act, and inside the MoE."""
 import pytest
 import torch
 
-from kernels import moe_gemv, moe_w2
-from kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing
-from kernels.moe_triton import MoeTritonConfig
+from ddbench.kernels import moe_gemv, moe_w2
+from ddbench.kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing
+from ddbench.kernels.moe_triton import MoeTritonConfig
 
 
 def _case(e, h, inter, n, device, seed):

@@ -1,12 +1,12 @@
-"""kernels.pdl: the decode chain launched with programmatic dependent launch gives the same
+"""ddbench.kernels.pdl: the decode chain launched with programmatic dependent launch gives the same
 bits as launched without it (a kernel that read its input before its predecessor finished
 would not), eagerly and replayed in a CUDA graph, at K2.6 TP-8 shapes."""
 import pytest
 import torch
 
-from engine.config import preset
-from kernels import fused_ops, pdl, skinny
-from kernels.moe import fused_moe, random_marlin_moe
+from ddbench.engine.config import preset
+from ddbench.kernels import fused_ops, pdl, skinny
+from ddbench.kernels.moe import fused_moe, random_marlin_moe
 
 
 def test_pdl_is_off_for_cpu_tensors():

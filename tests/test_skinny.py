@@ -1,9 +1,9 @@
-"""kernels.skinny (few-row dense GEMM) against torch, under the interpreter on CPU."""
+"""ddbench.kernels.skinny (few-row dense GEMM) against torch, under the interpreter on CPU."""
 import pytest
 import torch
 
-from kernels import skinny
-from kernels.skinny import heads_linear, linear, skinny_bmm, skinny_linear, tiles
+from ddbench.kernels import skinny
+from ddbench.kernels.skinny import heads_linear, linear, skinny_bmm, skinny_linear, tiles
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -86,8 +86,8 @@ def test_skinny_bf16_k26_shapes(m, n, k):
 def test_norm_linear_matches_unfused(dtype, m, n, k, res, glu):
     """norm_linear == rms_norm (+ residual) -> linear (-> silu_mul), and its side outputs:
     the new residual, the normed rows and their fp16 copy (moe_gemv.half_rows)."""
-    from kernels.moe_gemv import half_rows
-    from kernels.skinny import norm_linear, norm_linear_ref
+    from ddbench.kernels.moe_gemv import half_rows
+    from ddbench.kernels.skinny import norm_linear, norm_linear_ref
 
     g = torch.Generator().manual_seed(m * 100 + n)
     x, r = (torch.randn(m, k, generator=g).to(DEV, dtype) for _ in range(2))
@@ -112,7 +112,7 @@ def test_norm_linear_matches_unfused(dtype, m, n, k, res, glu):
 def test_rope_epilogue_matches_rope_after_linear(dtype, m, heads, tile):
     """skinny_linear(rope=) == linear then fused_ops.rope_ref_ on each head's rope dims (as
     MLA's wq_b then q rope), incl. tiles of 2 columns (one pair)."""
-    from kernels.fused_ops import rope_ref_
+    from ddbench.kernels.fused_ops import rope_ref_
 
     g = torch.Generator().manual_seed(m + heads)
     dn, dr, k = 12, 8, 64
@@ -144,7 +144,7 @@ def test_add_rows_sums_k_rows_per_output_row(m, k_rows):
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_glu_epilogue_matches_silu_mul(m):
-    from kernels.fused_ops import silu_mul_ref
+    from ddbench.kernels.fused_ops import silu_mul_ref
 
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 96, generator=g).to(DEV, torch.float16)
@@ -164,7 +164,7 @@ def test_glu_tiles_keep_the_product_budget():
 
 @pytest.mark.gpu
 def test_max_rows_zero_turns_the_triton_path_off(monkeypatch):
-    import kernels.skinny as S
+    import ddbench.kernels.skinny as S
 
     x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
@@ -185,8 +185,8 @@ def _rel(a, b):
 def test_norm_linear_bf16_k26_shapes(m, name, n, glu, res, side):
     """K2.6 TP-8 shapes: attn_norm + wqkv_a, ffn_norm + router gate (+ normed x and its fp16
     order), ffn_norm + dense w13 with SiLU(gate) * up; bf16 against the fp32 unfused maths."""
-    from kernels.moe_gemv import half_rows
-    from kernels.skinny import norm_linear, norm_linear_ref
+    from ddbench.kernels.moe_gemv import half_rows
+    from ddbench.kernels.skinny import norm_linear, norm_linear_ref
 
     k = 7168
     x, r = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -205,7 +205,7 @@ def test_norm_linear_bf16_k26_shapes(m, name, n, glu, res, side):
 @pytest.mark.parametrize("n", [256, 2304])
 def test_glu_bf16_k26_shapes(m, n):
     """Shared expert (2 x 256 local rows) and dense MLP (2 x 2304) w13 with the SiLU epilogue."""
-    from kernels.fused_ops import silu_mul_ref
+    from ddbench.kernels.fused_ops import silu_mul_ref
 
     x = torch.randn(m, 7168, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2 * n, 7168, device="cuda", dtype=torch.bfloat16) * 7168 ** -0.5
@@ -217,7 +217,7 @@ def test_glu_bf16_k26_shapes(m, n):
 @pytest.mark.parametrize("m", [1, 4])
 def test_rope_bf16_k26_wq_b(m):
     """MLA's wq_b at TP-8 (8 heads x (128 nope + 64 rope) <- 1536) with q's rope in the epilogue."""
-    from kernels.fused_ops import rope_ref_
+    from ddbench.kernels.fused_ops import rope_ref_
 
     x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1536, 1536, device="cuda", dtype=torch.bfloat16) * 1536 ** -0.5
@@ -247,9 +247,9 @@ def test_norm_linear_route_epilogue_matches_route_ref(dtype, m, e, k, ties):
     (tied gate rows and biases give tied scores) going to the lower expert (torch.topk's order
     among ties is unspecified: the reference order is a stable sort), close weights; the
     ticket counter is zero after."""
-    from kernels import ticket
-    from kernels.fused_ops import route_ref
-    from kernels.skinny import norm_linear
+    from ddbench.kernels import ticket
+    from ddbench.kernels.fused_ops import route_ref
+    from ddbench.kernels.skinny import norm_linear
 
     g = torch.Generator().manual_seed(10 * m + e)
     x, r = (torch.randn(m, 64, generator=g).to(DEV, dtype) for _ in range(2))
@@ -274,8 +274,8 @@ def test_norm_linear_route_epilogue_matches_route_ref(dtype, m, e, k, ties):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_norm_linear_strided_rows(dtype):
     """The norm prologue reads x rows with any row stride (a column slice), its outputs too."""
-    from kernels.moe_gemv import half_rows
-    from kernels.skinny import norm_linear, norm_linear_ref
+    from ddbench.kernels.moe_gemv import half_rows
+    from ddbench.kernels.skinny import norm_linear, norm_linear_ref
 
     g = torch.Generator().manual_seed(5)
     wide, r = torch.randn(3, 2, 100, generator=g).to(DEV, dtype), torch.randn(3, 2, 64, generator=g).to(DEV, dtype)
@@ -304,9 +304,9 @@ def _k26_router(m, seed):
 def test_route_epilogue_bf16_k26(m):
     """The router GEMM (384 <- 7168, k = 8) with its top-k in the last program == fused_ops.route
     on its logits, bf16; the counter is zero after."""
-    from kernels import ticket
-    from kernels.fused_ops import route, route_ref
-    from kernels.skinny import norm_linear
+    from ddbench.kernels import ticket
+    from ddbench.kernels.fused_ops import route, route_ref
+    from ddbench.kernels.skinny import norm_linear
 
     x, r, nw, gate, bias = _k26_router(m, m)
     y, h, xn, xh, ids, w = norm_linear(x, nw, 1e-6, gate, r, out_xn=True, out_xh=True, route=(bias, 8, 2.827))
@@ -323,8 +323,8 @@ def test_route_epilogue_bf16_k26(m):
 def test_route_epilogue_cuda_graph_replay_new_inputs():
     """The fused router captured in a CUDA graph, replayed on new inputs copied into the
     captured buffers: the same bits as eager calls on those inputs, counter zero."""
-    from kernels import ticket
-    from kernels.skinny import norm_linear
+    from ddbench.kernels import ticket
+    from ddbench.kernels.skinny import norm_linear
 
     x, r, nw, gate, bias = _k26_router(2, 0)
 

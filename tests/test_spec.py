@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from engine.config import ConfigError, preset
-from engine.drafter import Drafter, drafter_config
-from engine.model import Transformer
-from engine.spec import (ARStep, Session, SpecStep, drawn_tokens, expected_tokens, parse_acceptance,
+from ddbench.engine.config import ConfigError, preset
+from ddbench.engine.drafter import Drafter, drafter_config
+from ddbench.engine.model import Transformer
+from ddbench.engine.spec import (ARStep, Session, SpecStep, drawn_tokens, expected_tokens, parse_acceptance,
                          profile_logp, rank0_path, read_profile, tau_probs)
-from engine.weights import init_random
-from kernels import ddtree
+from ddbench.engine.weights import init_random
+from ddbench.kernels import ddtree
 
 NEW = 14
 

@@ -72,7 +72,7 @@ def test_e2e_tensor_parallel_gloo(tmp_path):
 
 def test_e2e_keeps_going_after_a_failing_budget(tmp_path, monkeypatch):
     """A budget whose run raises is reported and skipped; the others are measured; exit 1."""
-    from engine import spec
+    from ddbench.engine import spec
 
     real_draft = spec.SpecStep._draft
 

@@ -3,12 +3,12 @@ and the per-phase CUDA graphs replay exactly what the eager step computes."""
 import pytest
 import torch
 
-from engine.config import preset
-from engine.drafter import Drafter, drafter_config
-from engine.model import Transformer
-from engine.spec import ARStep, Session, SpecStep, parse_acceptance
-from engine.weights import init_random
-from kernels import skinny
+from ddbench.engine.config import preset
+from ddbench.engine.drafter import Drafter, drafter_config
+from ddbench.engine.model import Transformer
+from ddbench.engine.spec import ARStep, Session, SpecStep, parse_acceptance
+from ddbench.engine.weights import init_random
+from ddbench.kernels import skinny
 
 pytestmark = pytest.mark.gpu
 

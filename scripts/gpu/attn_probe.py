@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import copy_bandwidth_gbps  # noqa: E402
 from ddbench.tree_bench import attn_bench  # noqa: E402
-from kernels.mla_attn import mla_attention, mla_attention_ref  # noqa: E402
+from ddbench.kernels.mla_attn import mla_attention, mla_attention_ref  # noqa: E402
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 from ddbench.timing import copy_bandwidth_gbps  # noqa: E402
-from kernels.mla_attn import mla_attention as NEW, mla_attention_ref  # noqa: E402
+from ddbench.kernels.mla_attn import mla_attention as NEW, mla_attention_ref  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("mla_old", sys.argv[1])
 _old = importlib.util.module_from_spec(_spec)

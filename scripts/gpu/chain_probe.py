@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
-from engine.config import preset  # noqa: E402
-from kernels import chain, dataflow, gemv  # noqa: E402
-from kernels.moe_triton import sm_count  # noqa: E402
-from kernels.skinny import linear  # noqa: E402
+from ddbench.engine.config import preset  # noqa: E402
+from ddbench.kernels import chain, dataflow, gemv  # noqa: E402
+from ddbench.kernels.moe_triton import sm_count  # noqa: E402
+from ddbench.kernels.skinny import linear  # noqa: E402
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""kernels.dataflow on the 4-layer K2.6 TP-8 dense chain of scripts/gpu/chain_probe.py (H200):
+"""ddbench.kernels.dataflow on the 4-layer K2.6 TP-8 dense chain of scripts/gpu/chain_probe.py (H200):
 where a program's consumer time goes, and a run for Nsight Compute.
 
 python3 scripts/gpu/dataflow_profile.py [free | tiny] [marks] [split2] [publisher]
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from engine.config import preset  # noqa: E402
-from kernels import chain, dataflow  # noqa: E402
+from ddbench.engine.config import preset  # noqa: E402
+from ddbench.kernels import chain, dataflow  # noqa: E402
 
 free, with_marks = "free" in sys.argv[1:], "marks" in sys.argv[1:]
 split = 2 if "split2" in sys.argv[1:] else dataflow.SPLIT

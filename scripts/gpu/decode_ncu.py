@@ -35,10 +35,10 @@ STALL = "smsp__average_warps_issue_stalled_"   # + reason + _per_issue_active.ra
 
 def run(conc: int, layers: int) -> None:
     from ddbench.decode import build_model
-    from engine.config import preset
-    from engine.decode import Decoder
-    from engine.parallel import SimComm
-    from kernels import pdl
+    from ddbench.engine.config import preset
+    from ddbench.engine.decode import Decoder
+    from ddbench.engine.parallel import SimComm
+    from ddbench.kernels import pdl
 
     pdl.ENABLED = False
     dev = torch.device("cuda")

@@ -19,10 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.decode import build_model  # noqa: E402
 from ddbench.timing import bench  # noqa: E402
-from engine.config import preset  # noqa: E402
-from engine.decode import Decoder  # noqa: E402
-from engine.parallel import SimComm  # noqa: E402
-from kernels import pdl  # noqa: E402
+from ddbench.engine.config import preset  # noqa: E402
+from ddbench.engine.decode import Decoder  # noqa: E402
+from ddbench.engine.parallel import SimComm  # noqa: E402
+from ddbench.kernels import pdl  # noqa: E402
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 conc = int(sys.argv[2]) if len(sys.argv) > 2 else 1

@@ -1,4 +1,4 @@
-"""kernels.gemv (CUDA, weights loaded before the PDL wait) against kernels.skinny, one launch at a
+"""ddbench.kernels.gemv (CUDA, weights loaded before the PDL wait) against kernels.skinny, one launch at a
 time, at the K2.6 TP-8 decode shapes (H200).
 
 python3 scripts/gpu/gemv_bench.py [OUT_DIR]: each shape in CUDA graphs of 20 calls over 20
@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
-from engine.config import preset  # noqa: E402
-from kernels import gemv, pdl, skinny  # noqa: E402
+from ddbench.engine.config import preset  # noqa: E402
+from ddbench.kernels import gemv, pdl, skinny  # noqa: E402
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)

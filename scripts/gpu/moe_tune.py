@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps, gemm_tflops  # noqa: E402
-from engine.config import preset  # noqa: E402
-from kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing  # noqa: E402
-from kernels.moe_triton import TILE_TABLE, MoeTritonConfig, default_config, fused_moe_triton  # noqa: E402
+from ddbench.engine.config import preset  # noqa: E402
+from ddbench.kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing  # noqa: E402
+from ddbench.kernels.moe_triton import TILE_TABLE, MoeTritonConfig, default_config, fused_moe_triton  # noqa: E402
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 tiles_out = Path(sys.argv[2]) if len(sys.argv) > 2 else None

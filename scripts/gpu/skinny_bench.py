@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
-from engine.config import preset  # noqa: E402
-from kernels import fused_ops  # noqa: E402
-from kernels.moe_gemv import half_rows  # noqa: E402
-from kernels.skinny import norm_linear, skinny_linear, tiles  # noqa: E402
+from ddbench.engine.config import preset  # noqa: E402
+from ddbench.kernels import fused_ops  # noqa: E402
+from ddbench.kernels.moe_gemv import half_rows  # noqa: E402
+from ddbench.kernels.skinny import norm_linear, skinny_linear, tiles  # noqa: E402
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddbench.timing import bench  # noqa: E402
-from kernels.cuda import Kernel  # noqa: E402
+from ddbench.kernels.cuda import Kernel  # noqa: E402
 
 KIB = 1024
 # (kind, programs an SM, threads, defines)

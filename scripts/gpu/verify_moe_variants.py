@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import kernels.moe_triton as mt  # noqa: E402
+import ddbench.kernels.moe_triton as mt  # noqa: E402
 from ddbench.e2e import build_engine, run_concurrency  # noqa: E402
-from engine.config import preset  # noqa: E402
-from engine.drafter import drafter_config  # noqa: E402
-from engine.parallel import SimComm  # noqa: E402
-from engine.spec import parse_acceptance  # noqa: E402
+from ddbench.engine.config import preset  # noqa: E402
+from ddbench.engine.drafter import drafter_config  # noqa: E402
+from ddbench.engine.parallel import SimComm  # noqa: E402
+from ddbench.engine.spec import parse_acceptance  # noqa: E402
 
 concs = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 else "1,10").split(",")]
 blocks = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1,8,16").split(",")]
