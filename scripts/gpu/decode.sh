@@ -12,11 +12,10 @@
 #      random weights drawn on the GPU, CUDA graph per step, all-reduces modelled with the
 #      nvlink-h200 all-reduce model; prompt 128, 64 new tokens
 #   3. ddbench report on the CSV (stacked per-phase step time)
-#   4. kernel-by-kernel profile of one c=1 step (scripts/gpu/decode_profile.py, ~70 s) and
-#      the few-row GEMMs against cuBLAS, fused GEMMs against the launches they replace
-#      (scripts/gpu/skinny_bench.py, ~30 s)
+#   (the kernel-by-kernel profile and the skinny-GEMM bench are experiments:
+#    experiments/README.md)
 # Writes results/h200/decode/ (CSV + JSON sidecar, plot, logs), copied to $OUT if set.
-# Expected runtime: about 4-5 minutes (init ~20 s, Triton compiles ~30-60 s, decode < 30 s).
+# Expected runtime: about 3-4 minutes (init ~20 s, Triton compiles ~30-60 s, decode < 30 s).
 cd "$(dirname "$0")/../.."
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -54,7 +53,3 @@ for f in sorted(glob.glob("results/h200/decode/decode_*.csv")):
             "floor_us", "floor_ratio", "moe_backend", "attn_backend"]
     print(d[[c for c in cols if c in d]].to_string(index=False, float_format=lambda v: f"{v:.1f}"))
 PY
-
-timeout 150 python3 scripts/gpu/decode_profile.py "$dir" 1 2>&1 | log || echo "FAILED decode profile"
-timeout 90 python3 scripts/gpu/skinny_bench.py "$dir" 2>&1 | log || echo "FAILED skinny bench"
-[ -n "$OUT" ] && mkdir -p "$OUT/decode" && cp -r "$dir"/. "$OUT/decode/"   # again: profile + bench CSVs

@@ -2,8 +2,7 @@
 # INT4 MoE GEMM on one H200: GPU tests of the Triton kernel, then `ddbench moe-sweep` at the
 # K2.6 TP-8 rank shard and the whole layer (TP-1), torch reference and triton, with --check.
 # Writes results/h200/moe_sweep_tp8.csv, moe_sweep_tp1.csv, moe_sweep_tp8_routings.csv (+ .json
-# sidecars) and moe_tune_quick.csv, copies and
-# logs to $OUT if set. Expected runtime: about 3.5-4 minutes (measured 2026-12-02: ~95 s for
+# sidecars), copies them and logs to $OUT if set. Expected runtime: about 3.5-4 minutes (measured 2026-12-02: ~95 s for
 # both sweeps with warm kernel caches, plus tests and compiles; most of it the slow torch
 # reference and the fp32 checks). MOE_TILES=file.json passes a tile table (--tiles).
 cd "$(dirname "$0")/../.." || exit 1
@@ -44,12 +43,6 @@ sweep_r() {
 }
 rm -f "$DST"/moe_sweep_tp8_routings.csv "$DST"/moe_sweep_tp8_routings.json
 sweep_r
-
-# quick look at the untimed tl.join variant against the built-in tiles (about 40 s)
-MOE_TUNE_TOKENS=16,256 MOE_TUNE_VARIANTS=base,acc32,join64,join128 timeout 90 \
-  python3 scripts/gpu/moe_tune.py "$LOG" > "$LOG/moe_tune_quick.log" 2>&1 || echo "FAILED step: moe tune (quick)"
-tail -4 "$LOG/moe_tune_quick.log"
-[ -f "$LOG/moe_tune.csv" ] && cp "$LOG/moe_tune.csv" "$R/moe_tune_quick.csv"
 
 python3 - <<'PY' || echo "FAILED step: moe summary"
 import pandas as pd

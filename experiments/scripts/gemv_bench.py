@@ -1,7 +1,7 @@
 """ddbench.kernels.gemv (CUDA, weights loaded before the PDL wait) against kernels.skinny, one launch at a
 time, at the K2.6 TP-8 decode shapes (H200).
 
-python3 scripts/gpu/gemv_bench.py [OUT_DIR]: each shape in CUDA graphs of 20 calls over 20
+python3 -m experiments.scripts.gemv_bench [OUT_DIR]: each shape in CUDA graphs of 20 calls over 20
 weight copies (W from DRAM), back to back in one stream (so each launch waits for the one
 before, as in the decode step's chain) with and without PDL; kernels.skinny the
 same way; and gemv launch-shape variants (programs an SM, shared budget). Prints us a call,
@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
-from ddbench.engine.config import preset  # noqa: E402
-from ddbench.kernels import gemv, pdl, skinny  # noqa: E402
+from ddbench.timing import bench, copy_bandwidth_gbps
+from ddbench.engine.config import preset
+from ddbench.kernels import gemv, pdl, skinny
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 another launch shape (TRIALS) (H200, K2.6 TP-8 rank-0 shard), so each option's gain is
 measured in the step it is for.
 
-python3 scripts/gpu/decode_variants.py [OUT_DIR] [CONCURRENCY,...] [OPTION,...]: builds the rank-0 shard
+python3 -m experiments.scripts.decode_variants [OUT_DIR] [CONCURRENCY,...] [OPTION,...]: builds the rank-0 shard
 with random weights once, prefills 128 tokens, then for each variant re-captures the step
 graph from the same state and times 40 back-to-back replays (after 20 untimed ones). A
 variant sets module attributes (`VARIANTS`); `default` changes none, `all off` all of them (all
@@ -24,13 +24,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddbench.decode import build_model  # noqa: E402
-from ddbench.engine import model as em  # noqa: E402
-from ddbench.engine.config import preset  # noqa: E402
-from ddbench.engine.decode import Decoder  # noqa: E402
-from ddbench.engine.parallel import RowParallelLinear, SimComm  # noqa: E402
-from ddbench.kernels import mla_decode, moe_gemv, moe_w2, skinny  # noqa: E402
+from ddbench.decode import build_model
+from ddbench.engine import model as em
+from ddbench.engine.config import preset
+from ddbench.engine.decode import Decoder
+from ddbench.engine.parallel import RowParallelLinear, SimComm
+from ddbench.kernels import mla_decode, moe_gemv, moe_w2, skinny
 
 OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "pdl": [("ddbench.kernels.pdl", "ENABLED", False)],

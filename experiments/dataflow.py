@@ -1,5 +1,5 @@
-"""A chain of dependent one-row GEMVs (`kernels.chain.Chain`) in one persistent CUDA launch whose
-weight stream does not stop at the dependencies (`kernels/dataflow.cu`): the probe of a
+"""A chain of dependent one-row GEMVs (`experiments.chain.Chain`) in one persistent CUDA launch whose
+weight stream does not stop at the dependencies (`experiments/dataflow.cu`): the probe of a
 dataflow decode step, the design docs/notes/decode.md says 1.5x needs.
 
 The launch chain pays every dependency twice: the DRAM stream stops at each kernel boundary
@@ -12,15 +12,15 @@ into one of two x buffers; and consumer teams (TEAMS of `split` warps, a tile ea
 tiles always one team's) that multiply. The stream runs ahead by the ring's size (SLOTS x
 SLOT bytes an SM), so a dependency costs only what the ring cannot cover. Same maths as
 `chain.reference` (fp32 activations, bf16 weights, fp32 sums; no atomics on the outputs: a
-tile owns whole rows). `scripts/gpu/chain_probe.py` times it against the launch chain
-(`dataflow` modes), `scripts/gpu/dataflow_profile.py` shows where its time goes (marks, ncu).
+tile owns whole rows). `experiments/scripts/chain_probe.py` times it against the launch chain
+(`dataflow` modes), `experiments/scripts/dataflow_profile.py` shows where its time goes (marks, ncu).
 
 Measured (H200, docs/BENCHMARKS.md decode sessions 16-18): correct; its stream alone (the same
 phases without dependencies) reaches 20.5 us a layer with the publisher lane, 1.32x the copy
 floor of 15.5, but with the dependencies it takes 34.3, slower than the engine's launches
 (29.6): a dependency costs ~2.2 us in a chain of tiny phases against 1.09 for a launch with
 PDL, and carrying it in the data instead (NCCL's LL protocol, session 18, removed) made it
-2.1 us; `kernels/hop_probe.py`, rebuilding one dependency with this kernel's protocol and
+2.1 us; `experiments/hop_probe.py`, rebuilding one dependency with this kernel's protocol and
 hand-offs on every SM and nothing else running, measures 1.54 us (the counter alone 0.92), so
 ~0.65 us is this kernel's own machinery and the rest the protocol's floor.
 """
@@ -31,11 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ddbench.kernels.chain import K, N, W_OFF, X_OFF, Y_OFF, Chain
+from ddbench.kernels.device import sm_count
+from experiments.chain import K, N, W_OFF, X_OFF, Y_OFF, Chain
+from experiments.cuda import kernel
 
 SLOTS, SLOT = 8, 20 * 1024       # the ring of an SM: 160 KB (+ two x buffers of the largest K)
 MAX_PHASES = 64                  # (MAXPH)
-TEAMS = 8                        # consumer teams, a tile each (kernels/dataflow.cu)
+TEAMS = 8                        # consumer teams, a tile each (experiments/dataflow.cu)
 SPLIT = 1                        # warps a team
 RB, VECS = 4, 4                  # rows a team multiplies at once; 16-byte vectors of each a lane loads first
 COLS = 9                         # table columns: W_OFF N K X_OFF Y_OFF SRC BN TILES FIRST
@@ -80,8 +82,7 @@ def plan(chain: Chain, slot: int = SLOT, spread: bool = True) -> Plan:
 @functools.lru_cache(maxsize=None)
 def _kernel(slots: int, slot: int, kmax: int, split: int, rb: int, vecs: int, publisher: bool, marks: bool,
             device: torch.device):
-    from ddbench.kernels.cuda import Kernel
-    return Kernel("dataflow.cu", "dataflow", {"SLOTS": slots, "SLOT": slot, "KMAX": kmax, "SPLIT": split, "RB": rb,
+    return kernel("dataflow.cu", "dataflow", {"SLOTS": slots, "SLOT": slot, "KMAX": kmax, "SPLIT": split, "RB": rb,
                                               "VECS": vecs, "PUBLISHER": int(publisher), "MARKS": int(marks)}, device)
 
 
@@ -104,7 +105,6 @@ def run(pl: Plan, programs: int | None = None, slots: int = SLOTS, split: int = 
     free x buffer, in its consumer teams (summed over the teams) waiting for x and for their
     tiles, multiplying them (and storing the rows), publishing them (with `publisher`: the
     publisher lane's wait for its release); the tiles it multiplied."""
-    from ddbench.kernels.moe_triton import sm_count
     device = pl.table.device
     programs = programs or sm_count(device)
     if programs > sm_count(device):

@@ -1,6 +1,6 @@
 """The DDTree step with the verify MoE's row blocks changed (H200, K2.6 TP-8 rank-0 shard).
 
-python3 scripts/gpu/verify_moe_variants.py [CONCURRENCY,...] [BLOCK_M,...] [PER_EXPERT]: builds the
+python3 -m experiments.scripts.verify_moe_variants [CONCURRENCY,...] [BLOCK_M,...] [PER_EXPERT]: builds the
 target and drafter once, then for each BLOCK_M sets `kernels.moe_triton.STREAM_TILES` to
 [(PER_EXPERT, BLOCK_M)] (default 0.3: a stream's several tokens take the CUDA-core MoE
 path up to that many tokens per expert, sorted into blocks of BLOCK_M rows; 1: one row a block)
@@ -9,17 +9,15 @@ runs `ddbench e2e`'s measurement (AR, then DDTree budget 8 at synthetic TAU 6, p
 projected: no modelled communication. About 1.5 minutes.
 """
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import ddbench.kernels.moe_triton as mt  # noqa: E402
-from ddbench.e2e import build_engine, run_concurrency  # noqa: E402
-from ddbench.engine.config import preset  # noqa: E402
-from ddbench.engine.drafter import drafter_config  # noqa: E402
-from ddbench.engine.parallel import SimComm  # noqa: E402
-from ddbench.engine.spec import parse_acceptance  # noqa: E402
+import ddbench.kernels.moe_triton as mt
+from ddbench.e2e import build_engine, run_concurrency
+from ddbench.engine.config import preset
+from ddbench.engine.drafter import drafter_config
+from ddbench.engine.parallel import SimComm
+from ddbench.engine.spec import parse_acceptance
 
 concs = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 else "1,10").split(",")]
 blocks = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1,8,16").split(",")]

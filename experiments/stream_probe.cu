@@ -1,4 +1,4 @@
-// A streaming probe, not used by the engine (scripts/gpu/stream_probe.py): how fast the
+// A streaming probe, not used by the engine (experiments/scripts/stream_probe.py): how fast the
 // programs of a grid pull a buffer from DRAM by copy kind, programs an SM and threads. Program
 // p reads its own contiguous span of `src` (`span` bytes from p * span) in chunks of CHUNK
 // bytes (span a multiple of CHUNK and of 16 x THREADS), and XORs the words it read into out[p] (so nothing is optimised away).

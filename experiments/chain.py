@@ -15,7 +15,7 @@ each split adding its partial sums into y_p with fp32 atomics. Modes (`run`, `MO
   arriving and waiting, so that the DRAM round trip overlaps the wait.
 The barrier needs every program resident at once (at most what fits on the SMs, nothing
 else running) and a GPU: the CPU interpreter runs programs one after another, so it runs
-the launch modes only. `scripts/gpu/chain_probe.py` times them.
+the launch modes only. `experiments/scripts/chain_probe.py` times them.
 
 Each phase zeroes the next phase's output before the barrier (the last phase the first's,
 for the next call), so the atomics always start from zero; the counter is zero again at exit.
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ddbench.kernels import pdl, ticket
-from ddbench.kernels.moe_triton import sm_count
+from ddbench.kernels.device import sm_count
 
 # phase table columns (int64): W's offset, its shape, x's and y's offsets, row blocks, K splits,
 # K per split, the region zeroed (offset, length)

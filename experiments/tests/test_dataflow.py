@@ -1,4 +1,4 @@
-"""ddbench.kernels.dataflow (a chain of GEMVs in one persistent CUDA launch, its weight stream running
+"""experiments.dataflow (a chain of GEMVs in one persistent CUDA launch, its weight stream running
 ahead of the dependencies): its tiling on CPU; on the GPU the kernel against the chain's fp32
 reference on fresh random weights, three times in a row (the counters reset; the third on a
 new input), in a replayed CUDA graph, with phases that read the input or an earlier phase
@@ -6,7 +6,7 @@ than the one before."""
 import pytest
 import torch
 
-from ddbench.kernels import chain, dataflow
+from experiments import chain, dataflow
 
 SHAPES = [(2112, 7168, -1), (1536, 1536, 0), (7168, 1024, 1), (384, 7168, 2), (512, 7168, 2), (7168, 256, 4),
           (100, 56, -1), (3000, 7168, 5)]   # the K2.6 TP-8 dense chain, a phase off the input, an uneven one

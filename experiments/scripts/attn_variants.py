@@ -1,6 +1,6 @@
 """mla_attention variants against an older kernel file, on the H200 (issue 5 probe).
 
-python3 scripts/gpu/attn_variants.py OLD_MLA_ATTN_PY: every variant is timed as a CUDA graph
+python3 -m experiments.scripts.attn_variants OLD_MLA_ATTN_PY: every variant is timed as a CUDA graph
 of 8 calls over 4 cold cache copies (graph_us), and per kernel with the torch profiler
 (split_us, combine_us); rel_err against mla_attention_ref; pct = KV bytes / graph time
 against the copy bandwidth measured first. The runs in docs/notes/tree.md used
@@ -14,9 +14,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.getcwd())
-from ddbench.timing import copy_bandwidth_gbps  # noqa: E402
-from ddbench.kernels.mla_attn import mla_attention as NEW, mla_attention_ref  # noqa: E402
+from ddbench.timing import copy_bandwidth_gbps
+from ddbench.kernels.mla_attn import mla_attention as NEW, mla_attention_ref
 
 _spec = importlib.util.spec_from_file_location("mla_old", sys.argv[1])
 _old = importlib.util.module_from_spec(_spec)

@@ -1,4 +1,4 @@
-"""What one dependency between two SMs costs through global memory, alone (`kernels/hop_probe.cu`):
+"""What one dependency between two SMs costs through global memory, alone (`experiments/hop_probe.cu`):
 two programs pass a token back and forth, with a bare flag, a release/acquire flag or the
 dataflow kernel's counter (and then, as its x loader, a bulk copy of x into shared memory), idle
 or under a DRAM stream from every other SM; or one program's token answered by the adds of
@@ -9,7 +9,7 @@ multiplies one row of 256 and posts ("x to a warp"), or hands the post to a publ
 one dependency of a dataflow chain, with the counter alone ("all to all") or with those
 hand-offs too, or with a flag a program that a whole warp polls instead of one counter
 ("all to all, flags"). The floor under any software dependency of a persistent decode
-kernel (`kernels/dataflow.py`), to set against a PDL launch's ~1.1 us. `scripts/gpu/hop_probe.py`
+kernel (`experiments/dataflow.py`), to set against a PDL launch's ~1.1 us. `experiments/scripts/hop_probe.py`
 prints the table.
 """
 from __future__ import annotations
@@ -18,6 +18,8 @@ import functools
 import struct
 
 import torch
+
+from experiments.cuda import kernel
 
 MODES = {"relaxed": 0, "release-acquire": 1, "counter": 2, "counter + x": 3, "all to one": 4,   # hop_probe.cu MODE
          "x to a warp": 5, "x to a warp + publisher": 6,
@@ -32,8 +34,7 @@ SHARED = 160 * 1024                                         # dynamic shared mem
 
 @functools.lru_cache(maxsize=None)
 def _kernel(mode: int, device: torch.device):
-    from ddbench.kernels.cuda import Kernel
-    return Kernel("hop_probe.cu", "hop", {"MODE": mode}, device)
+    return kernel("hop_probe.cu", "hop", {"MODE": mode}, device)
 
 
 def hop_ns(mode: str, rounds: int = 10000, stream: torch.Tensor | None = None, x_bytes: int = 1024,

@@ -1,15 +1,15 @@
-// A latency probe, not used by the engine (kernels/hop_probe.py, scripts/gpu/hop_probe.py): what
+// A latency probe, not used by the engine (experiments/hop_probe.py, experiments/scripts/hop_probe.py): what
 // one dependency between SMs costs through global memory, alone (between two, and over all of
 // them as in a dataflow chain): the floor under a persistent kernel's software dependency
-// (kernels/dataflow.cu's hop measured ~2.2 us, a PDL launch ~1.1).
+// (experiments/dataflow.cu's hop measured ~2.2 us, a PDL launch ~1.1).
 // Programs 0 and 1 (one an SM: each asks for most of an SM's shared memory) pass a token back and
 // forth through flag[0]: program 0 waits for 2r and makes it 2r + 1, program 1 waits for 2r + 1
 // and makes it 2r + 2, for `rounds` rounds. MODE says how a program posts and polls:
 //   0: st.relaxed.gpu / ld.relaxed.gpu (a bare flag, as NCCL's LL protocol without the data)
 //   1: st.release.gpu / ld.acquire.gpu (a flag that orders the data written before it)
-//   2: red.release.gpu.add / ld.relaxed.gpu + fence.acq_rel.gpu (kernels/dataflow.cu's counter)
+//   2: red.release.gpu.add / ld.relaxed.gpu + fence.acq_rel.gpu (experiments/dataflow.cu's counter)
 //   3: as 2, then the data: a proxy fence and a bulk copy of `bytes` of x into shared memory,
-//      waited for on an mbarrier, before the token goes back (kernels/dataflow.cu's x loader)
+//      waited for on an mbarrier, before the token goes back (experiments/dataflow.cu's x loader)
 //   4: all to one, as a dataflow phase completes: program 0 posts round r (st.release.gpu r + 1),
 //      every other program waits for it and adds 1 to flag[2] (red.release.gpu); program 0
 //      waits for all of them (relaxed polls, fence.acq_rel.gpu); a round is two hops
@@ -32,7 +32,7 @@
 // token at the end (2 rounds; MODE 4: flag[2], (programs - 1) rounds; MODE 7-9: flag[2],
 // programs x rounds; MODE 10-11: the flags' sum, the same); out[2]: MODE 5, 6, 8, 9, 11,
 // program 0's last sum (fp32 bits); flag[3]: 1 if a wait gave up (~1 s).
-#include "common.cuh"
+#include PROBE_COMMON   // experiments/probe_common.cuh (experiments/cuda.py); it includes common.cuh
 
 #define WARM 16
 

@@ -1,6 +1,6 @@
 """The dense GEMVs of K2.6 TP-8 decode layers (c=1) as one chain: kernel boundaries vs grid barriers (H200).
 
-python3 scripts/gpu/chain_probe.py [OUT_DIR] [LAYERS] [BK,...] [PROGRAMS_PER_SM,...]
+python3 -m experiments.scripts.chain_probe [OUT_DIR] [LAYERS] [BK,...] [PROGRAMS_PER_SM,...]
 [SLOTS[xKB][sSPLIT][rRB][vVECS][f][p],...]: per layer the six one-row products of a rank-0
 shard, each reading the one before (wqkv_a 2112x7168 -> wq_b 1536x1536 -> wo 7168x1024 ->
 router 384x7168 and shared w13 512x7168 (both from wo's output) -> shared w2 7168x256 -> the
@@ -8,10 +8,10 @@ next layer's wqkv_a), 66 MB of bf16 weights a layer, LAYERS layers (default
 4: 264 MB, more than L2, so every replay reads DRAM). Variants, each a CUDA graph replayed back
 to back: `skinny` the engine's kernels (kernels.skinny, cuBLAS where N > K; PDL), `cuda` /
 `cuda-nopdl` kernels.gemv (CUDA: up to ~100 KB of weights a program loaded before the PDL wait), then
-kernels.chain's kernel as `launch` (one launch a phase, PDL), `preload` (the same, first chunk
+experiments.chain's kernel as `launch` (one launch a phase, PDL), `preload` (the same, first chunk
 loaded before the PDL wait), `barrier` (one persistent launch, grid barriers), `prefetch`
 (barriers, the next phase's first chunk loaded while waiting), each with 1 and 2 programs an
-SM (all resident: the barrier needs it), and `dataflow` (kernels.dataflow: one persistent CUDA
+SM (all resident: the barrier needs it), and `dataflow` (experiments.dataflow: one persistent CUDA
 launch whose weight stream runs ahead of the dependencies through a ring of shared memory,
 a completion counter a phase; a ring spec SLOTS[xKB][sSPLIT][rRB][vVECS][f][p]: slots (of
 KB), warps a consumer team, rows it multiplies at once, vectors of each it loads first, f:
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
-from ddbench.engine.config import preset  # noqa: E402
-from ddbench.kernels import chain, dataflow, gemv  # noqa: E402
-from ddbench.kernels.moe_triton import sm_count  # noqa: E402
-from ddbench.kernels.skinny import linear  # noqa: E402
+from ddbench.timing import bench, copy_bandwidth_gbps
+from ddbench.engine.config import preset
+from ddbench.kernels import gemv
+from experiments import chain, dataflow
+from ddbench.kernels.device import sm_count
+from ddbench.kernels.skinny import linear
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ def variant(c: chain.Chain, mode: str):
     return lambda: chain.run(c, mode)
 
 
-# the modes of kernels other than kernels.chain's are timed once, at the first BK and programs an
+# the modes of kernels other than experiments.chain's are timed once, at the first BK and programs an
 # SM; dataflow last: it writes the outputs without atomics, after which chain.MODES would not
 # find the first phase's output zeroed
 ORDER = ("skinny", "cuda", "cuda-nopdl") + chain.MODES + tuple(f"dataflow {n}" for n in ring)

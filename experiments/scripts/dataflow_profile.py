@@ -1,28 +1,26 @@
-"""ddbench.kernels.dataflow on the 4-layer K2.6 TP-8 dense chain of scripts/gpu/chain_probe.py (H200):
+"""experiments.dataflow on the 4-layer K2.6 TP-8 dense chain of experiments/scripts/chain_probe.py (H200):
 where a program's consumer time goes, and a run for Nsight Compute.
 
-python3 scripts/gpu/dataflow_profile.py [free | tiny] [marks] [split2] [publisher]
+python3 -m experiments.scripts.dataflow_profile [free | tiny] [marks] [split2] [publisher]
   free:  every phase reads the input (no dependencies: the kernel's stream alone)
   split2: consumer teams of two warps
   publisher: a lane publishes the program's finished phases (the teams do not wait for it)
   tiny:  the chain of 48 dependent 256 x 256 phases instead (what a dependency costs)
-  marks: a build that counts where a program's waits go a phase (kernels.dataflow.MARKS); prints
+  marks: a build that counts where a program's waits go a phase (experiments.dataflow.MARKS); prints
          their means a phase of the layer (us at 1.98 GHz, the SM clock ncu reads under load)
 
 Under ncu, three launches, the third profiled:
 ncu --clock-control none --kernel-name dataflow --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis --section SourceCounters \
-    python3 scripts/gpu/dataflow_profile.py [free]
+    python3 -m experiments.scripts.dataflow_profile [free]
 """
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddbench.engine.config import preset  # noqa: E402
-from ddbench.kernels import chain, dataflow  # noqa: E402
+from ddbench.engine.config import preset
+from experiments import chain, dataflow
 
 free, with_marks = "free" in sys.argv[1:], "marks" in sys.argv[1:]
 split = 2 if "split2" in sys.argv[1:] else dataflow.SPLIT

@@ -1,5 +1,5 @@
 // A chain of dependent one-row GEMVs in one persistent launch whose weight stream does not stop
-// at the dependencies (kernels/dataflow.py): phase p computes y_p = W_p x_p, x_p the first K_p
+// at the dependencies (experiments/dataflow.py): phase p computes y_p = W_p x_p, x_p the first K_p
 // values of an earlier phase's output (or of the input), fp32 activations, bf16 weights.
 //
 // Every phase is cut into tiles of whole rows of W (one contiguous run of at most SLOT bytes),
@@ -33,14 +33,14 @@
 // Compile-time: SLOTS, SLOT (bytes a slot), KMAX (the largest K: an x buffer), SPLIT (warps a
 // team), RB (rows a team multiplies at once), VECS (16-byte vectors of each of those rows a
 // team's lane loads before it multiplies; a multiple of SPLIT), PUBLISHER (1: the publisher
-// lane above), MARKS (1: where a (program, phase)'s cycles go: kernels/dataflow.py
+// lane above), MARKS (1: where a (program, phase)'s cycles go: experiments/dataflow.py
 // `run(marks=)`).
-#include "common.cuh"
+#include PROBE_COMMON   // experiments/probe_common.cuh (experiments/cuda.py); it includes common.cuh
 
 #define TEAMS 8                            // consumer teams (a tile each); then the producer's warp, the loader's
 #define CONSUMERS (TEAMS * SPLIT)          // consumer warps: SPLIT a team, each a share of a row's vectors
 #define THREADS (32 * (CONSUMERS + 2 + PUBLISHER))   // + the publisher's warp
-#define COLS 9                             // table columns (kernels/dataflow.py)
+#define COLS 9                             // table columns (experiments/dataflow.py)
 #define MAXPH 64                           // phases, at most
 #define UNROLL (VECS / SPLIT)              // 16-byte vectors of a row a lane loads at once (registers)
 static_assert(SLOTS % TEAMS == 0, "a slot belongs to one consumer team");

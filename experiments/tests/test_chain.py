@@ -1,10 +1,10 @@
-"""ddbench.kernels.chain: a chain of dependent GEMVs, one phase a launch (CPU interpreter) and in one
+"""experiments.chain: a chain of dependent GEMVs, one phase a launch (CPU interpreter) and in one
 persistent launch with grid barriers (GPU), against the fp32 torch chain."""
 import pytest
 import torch
 
-from ddbench.kernels import chain
-from ddbench.kernels.moe_triton import sm_count
+from experiments import chain
+from ddbench.kernels.device import sm_count
 
 # phase (n, k, src): ragged n and k (tiles and K splits with tails), inputs from the input,
 # the previous phase and an older one

@@ -1,4 +1,4 @@
-"""What one dependency between SMs costs through global memory, alone (kernels/hop_probe.py;
+"""What one dependency between SMs costs through global memory, alone (experiments/hop_probe.py;
 H200): a token passed back and forth between two programs, by flag kind and with the dataflow
 kernel's hand-offs inside a program (x to a consumer warp, its post through a publisher lane),
 idle and under a DRAM stream from every other SM; and one token answered by many programs (all
@@ -6,7 +6,7 @@ to one), or every program waiting for all the others (all to all: a dataflow dep
 floor under a persistent kernel's software dependency, against a PDL launch (~1.1 us,
 `chain_probe.py`'s tiny chain) and the dataflow kernel's hop (~2.2 us).
 
-python3 scripts/gpu/hop_probe.py [OUT_DIR] -> OUT_DIR/hop_probe.csv. A few seconds.
+python3 -m experiments.scripts.hop_probe [OUT_DIR] -> OUT_DIR/hop_probe.csv. A few seconds.
 """
 import csv
 import statistics
@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddbench.kernels import hop_probe  # noqa: E402
+from experiments import hop_probe
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
-"""ddbench.kernels.hop_probe (a token passed between two SMs): every hop happens, in every flag kind,
+"""experiments.hop_probe (a token passed between two SMs): every hop happens, in every flag kind,
 idle and under a stream; its arguments are checked before anything runs."""
 import pytest
 import torch
 
-from ddbench.kernels import hop_probe
+from experiments import hop_probe
 
 
 def test_bad_arguments_are_refused():

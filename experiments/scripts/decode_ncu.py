@@ -1,23 +1,21 @@
 """One eager decode step under Nsight Compute: what limits each kernel (H200, K2.6 TP-8 rank-0 shard).
 
-python3 scripts/gpu/decode_ncu.py run [CONCURRENCY] [LAYERS]: builds the rank-0 shard with
+python3 -m experiments.scripts.decode_ncu run [CONCURRENCY] [LAYERS]: builds the rank-0 shard with
 random weights (LAYERS blocks, default 3: the dense layer and two MoE layers), prefills 128
 tokens, runs two eager steps, then one step between cudaProfilerStart/Stop (without PDL, so
 each kernel's time is its own). Run under `ncu --profile-from-start off --page raw --csv`
-(scripts/gpu/decode_ncu.sh).
-python3 scripts/gpu/decode_ncu.py summary NCU_CSV OUT_CSV: per kernel of the profiled step, in
+(experiments/scripts/decode_ncu.sh).
+python3 -m experiments.scripts.decode_ncu summary NCU_CSV OUT_CSV: per kernel of the profiled step, in
 launch order (the last MoE layer's kernels are the ones to read: no first-call effects):
 duration, DRAM rate and share of peak, achieved occupancy, issue-slot use, warp instructions,
 registers, grid, and the two largest warp stall reasons, as a table and OUT_CSV.
 """
 import io
 import sys
-from pathlib import Path
 
 import pandas as pd
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 COLUMNS = {  # short name -> ncu raw metric
     "us": "gpu__time_duration.sum",

@@ -1,6 +1,6 @@
 """mla_attention at T = 1 (decode), 8 heads, over min_chunk and pdl choices (H200, CUDA graphs, cold KV).
 
-python3 scripts/gpu/attn_probe.py [OUT_DIR] [VARIANTS]: shapes (streams x prefix) 1x160 (the decode
+python3 -m experiments.scripts.attn_probe [OUT_DIR] [VARIANTS]: shapes (streams x prefix) 1x160 (the decode
 benchmark), 1x8k, 10x1k, 10x8k; cache capacity 32k as the engine allocates it; checks each
 call against mla_attention_ref; prints us and % of copy bandwidth on the KV bytes; writes
 OUT_DIR/attn_probe.csv. About 20 s.
@@ -11,10 +11,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddbench.timing import copy_bandwidth_gbps  # noqa: E402
-from ddbench.tree_bench import attn_bench  # noqa: E402
-from ddbench.kernels.mla_attn import mla_attention, mla_attention_ref  # noqa: E402
+from ddbench.timing import copy_bandwidth_gbps
+from ddbench.tree_bench import attn_bench
+from ddbench.kernels.mla_attn import mla_attention, mla_attention_ref
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
 """How fast a grid's programs pull weights from DRAM, by copy kind, programs an SM and threads
-(kernels/stream_probe.cu; H200). The question behind it: can one program an SM, the shape a
+(experiments/stream_probe.cu; H200). The question behind it: can one program an SM, the shape a
 persistent decode kernel needs, stream as fast as the launches it would replace? (The one-launch
 MoE block's programs got 10-15 GB/s: docs/BENCHMARKS.md decode session 13.)
 
-python3 scripts/gpu/stream_probe.py [OUT_DIR] -> OUT_DIR/stream_probe.csv. Two sizes a config:
+python3 -m experiments.scripts.stream_probe [OUT_DIR] -> OUT_DIR/stream_probe.csv. Two sizes a config:
 `stream`, 1 GiB in one launch (the steady rate), and `burst`, 256 KB an SM (about what the MoE
 block's programs read; a CUDA graph of 20 launches over different parts of the buffer, so
 none reads from L2). About 30 s.
@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddbench.timing import bench  # noqa: E402
-from ddbench.kernels.cuda import Kernel  # noqa: E402
+from ddbench.timing import bench
+from experiments.cuda import kernel
 
 KIB = 1024
 # (kind, programs an SM, threads, defines)
@@ -42,7 +41,7 @@ rows = []
 print(f"{'kind':9s} {'prog/SM':>7s} {'threads':>7s} {'chunk':>6s} {'stages':>6s} {'size':>6s} {'us':>9s} {'GB/s':>7s} {'GB/s/SM':>8s}")
 for kind, per_sm, threads, defines in CONFIGS:
     d = {"MODE": MODES[kind], "THREADS": threads, "UNROLL": 1, "STAGES": 1, "CHUNK": 16, **defines}
-    kernel = Kernel("stream_probe.cu", "stream", d, dev)
+    fn = kernel("stream_probe.cu", "stream", d, dev)
     grid, shared = sms * per_sm, (d["STAGES"] * d["CHUNK"] if kind != "ld" else 0)
     unit = max(d["CHUNK"], 16 * threads)
     for size, span in (("stream", (1 << 30) // grid // unit * unit), ("burst", 256 * KIB // per_sm)):
@@ -52,7 +51,7 @@ for kind, per_sm, threads, defines in CONFIGS:
         turn = itertools.count()
 
         def launch(span=span, total=total, parts=parts, turn=turn):
-            kernel(grid, threads, shared, [buf[next(turn) % parts * total:], span, sink])
+            fn(grid, threads, shared, [buf[next(turn) % parts * total:], span, sink])
         us = bench(launch, device=dev, graph=True, graph_ops=1 if size == "stream" else 20, reps=5).median_us
         gbs = total / us / 1e3
         row = {"kind": kind, "programs_per_sm": per_sm, "threads": threads, "chunk": d["CHUNK"] if kind != "ld" else "",

@@ -1,6 +1,6 @@
 """Tile-variant timing of the Triton INT4 MoE at the K2.6 TP-8 shard (H200), CUDA graphs.
 
-python3 scripts/gpu/moe_tune.py OUT_DIR [TILES_JSON]: checks each variant against the fp32
+python3 -m experiments.scripts.moe_tune OUT_DIR [TILES_JSON]: checks each variant against the fp32
 reference, times it in a CUDA graph over rotated routings (so small-T replays do not hit
 L2), writes OUT_DIR/moe_tune.csv and, if asked, a `ddbench moe-sweep --tiles` table of the
 fastest variant per token count. Prints a table last. About 2 minutes on an H200 (mostly compiling).
@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddbench.timing import bench, copy_bandwidth_gbps, gemm_tflops  # noqa: E402
-from ddbench.engine.config import preset  # noqa: E402
-from ddbench.kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing  # noqa: E402
-from ddbench.kernels.moe_triton import TILE_TABLE, MoeTritonConfig, default_config, fused_moe_triton  # noqa: E402
+from ddbench.timing import bench, copy_bandwidth_gbps, gemm_tflops
+from ddbench.engine.config import preset
+from ddbench.kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing
+from ddbench.kernels.moe_triton import TILE_TABLE, MoeTritonConfig, default_config, fused_moe_triton
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 tiles_out = Path(sys.argv[2]) if len(sys.argv) > 2 else None

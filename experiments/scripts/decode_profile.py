@@ -1,6 +1,6 @@
 """Where one decode step's GPU time goes, kernel by kernel (H200, K2.6 TP-8 rank-0 shard).
 
-python3 scripts/gpu/decode_profile.py [OUT_DIR] [CONCURRENCY] [LAYERS]: builds the rank-0
+python3 -m experiments.scripts.decode_profile [OUT_DIR] [CONCURRENCY] [LAYERS]: builds the rank-0
 shard with random weights (LAYERS blocks, default all 61), prefills 128 tokens, then
 profiles 3 eager decode steps with torch.profiler: per kernel name, GPU time per step and
 launches per step, largest first, and the sum of kernel time against the eager and
@@ -16,13 +16,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddbench.decode import build_model  # noqa: E402
-from ddbench.timing import bench  # noqa: E402
-from ddbench.engine.config import preset  # noqa: E402
-from ddbench.engine.decode import Decoder  # noqa: E402
-from ddbench.engine.parallel import SimComm  # noqa: E402
-from ddbench.kernels import pdl  # noqa: E402
+from ddbench.decode import build_model
+from ddbench.timing import bench
+from ddbench.engine.config import preset
+from ddbench.engine.decode import Decoder
+from ddbench.engine.parallel import SimComm
+from ddbench.kernels import pdl
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 conc = int(sys.argv[2]) if len(sys.argv) > 2 else 1

@@ -1,6 +1,6 @@
 """Few-row dense GEMMs of the K2.6 TP-8 decode step: kernels.skinny vs F.linear (cuBLAS), H200.
 
-python3 scripts/gpu/skinny_bench.py [OUT_DIR]: each shape in CUDA graphs of 20 calls over
+python3 -m experiments.scripts.skinny_bench [OUT_DIR]: each shape in CUDA graphs of 20 calls over
 rotated weights (so W comes from DRAM), GB/s of W against the measured copy bandwidth.
 Then the fused GEMMs the engine uses (norm prologue, SiLU or rope epilogue) against the
 launches they replace (rms_norm -> skinny GEMM -> silu_mul / half_rows / rope_), same timing.
@@ -14,12 +14,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddbench.timing import bench, copy_bandwidth_gbps  # noqa: E402
-from ddbench.engine.config import preset  # noqa: E402
-from ddbench.kernels import fused_ops  # noqa: E402
-from ddbench.kernels.moe_gemv import half_rows  # noqa: E402
-from ddbench.kernels.skinny import norm_linear, skinny_linear, tiles  # noqa: E402
+from ddbench.timing import bench, copy_bandwidth_gbps
+from ddbench.engine.config import preset
+from ddbench.kernels import fused_ops
+from ddbench.kernels.moe_gemv import half_rows
+from ddbench.kernels.skinny import norm_linear, skinny_linear, tiles
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)
