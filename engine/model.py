@@ -211,6 +211,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Comm, moe_backend: str, ops: Ops, device, dtype):
         super().__init__()
         self.cfg, self.comm, self.backend, self.ops = cfg, comm, moe_backend, ops
+        self.routing = None   # engine.routing.Routing: replaces / counts the router's choice
         e, h, i, g = cfg.n_experts, cfg.hidden, cfg.moe_inter_local, cfg.group_size
         self.gate = nn.Parameter(torch.empty(e, h, device=device, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(e, device=device, dtype=torch.float32), requires_grad=False)
@@ -246,6 +247,9 @@ class MoE(nn.Module):
                 xf, res = norm(af, residual=res)                              # res += a; xf = norm(res)
             with phase("moe"):
                 ids, w = self.ops.route(xf, self.gate, self.bias, cfg.top_k, cfg.routed_scaling)  # [N, k]
+        if self.routing is not None:                                          # engine.routing
+            with phase("moe"):
+                ids, w = self.routing(ids, w, b, t)
         # with xh (CUDA-core expert path, skinny path) the k expert rows of each token are
         # summed in the shared expert's down GEMM, not by the MoE's own last launch
         k_rows = cfg.top_k if xh is not None else 1

@@ -1,0 +1,151 @@
+"""Which experts the target's MoE layers run: the router's choice or a draw, and a count of
+the distinct experts each layer touched.
+
+Random weights route every token of a stream's tree to nearly the same experts (the
+hidden states of sibling nodes barely differ), so a verify of 90 tokens touched ~85
+distinct experts a layer where 90 tokens of real text under independent top-8 routing
+touch ~326: the MoE work of a random-weight run is not the real one. `Routing` sits right
+after the router in `engine.model.MoE.forward` (the router's work is still done) and:
+
+- `model`: keeps the router's choice (the default with a checkpoint);
+- `uniform`: replaces it by independent uniform top-k draws per token, as `ddbench
+  moe-sweep` does (the default with random weights);
+- `overlap:F`: the root of each stream's tree (and every token of a forward that is not a
+  tree verify) draws uniformly; a tree node keeps each of its parent's experts with
+  probability F and fills the rest with uniform experts its parent does not keep.
+
+The draws read a pool of precomputed uniform top-k rows at a random offset drawn on the
+device (`torch.randint`, which a CUDA graph captures and refreshes on every replay), so
+a step has no host sync and the graphs stay valid. Every call counts the distinct
+experts of the forward into device buffers indexed by tokens per stream (`t`: 1 for a
+decode step, budget + 1 for a verify, the chunk for a prefill); `mean_touched(t)` reads
+them after the run.
+"""
+from __future__ import annotations
+
+import torch
+
+from ddbench.engine.config import ConfigError
+
+POOL_ROWS = 16384          # precomputed uniform top-k rows (>= tokens of one forward)
+MAX_T = 2048               # tokens-per-stream slots of the counters (larger t share the last)
+
+
+def parse_routing(text: str) -> tuple[str, float]:
+    """'uniform' | 'model' | 'overlap:F' -> (mode, F)."""
+    kind, _, arg = text.strip().partition(":")
+    if kind in ("uniform", "model") and not arg:
+        return kind, 0.0
+    if kind == "overlap" and arg:
+        try:
+            f = float(arg)
+        except ValueError:
+            raise ConfigError(f"--routing {text!r}: F must be a number in [0, 1]") from None
+        if not 0.0 <= f <= 1.0:
+            raise ConfigError(f"--routing {text!r}: F must be in [0, 1]")
+        return "overlap", f
+    raise ConfigError(f"--routing {text!r}: use uniform, model or overlap:F")
+
+
+def default_routing(text: str | None, checkpoint) -> str:
+    """`--routing` unset: the router's own choice with a checkpoint, uniform draws with random weights."""
+    return text if text else ("model" if checkpoint is not None else "uniform")
+
+
+class Routing:
+    """The routing hook of one model (see the module docstring). `tree` (set by the DDTree
+    verify before its forward): (parent `[N, T]` long, depth `[N, T]` long, max depth)."""
+
+    def __init__(self, spec: str, n_experts: int, top_k: int, device, seed: int = 0, pool_rows: int = POOL_ROWS):
+        self.mode, self.overlap = parse_routing(spec)
+        self.label = spec.strip()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.device = torch.device(device)
+        self.tree: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.touched = torch.zeros(MAX_T, dtype=torch.float64, device=self.device)   # sum of distinct counts
+        self.calls = torch.zeros(MAX_T, dtype=torch.float64, device=self.device)
+        self.pool = None
+        if self.mode != "model":
+            g = torch.Generator(device=self.device).manual_seed(seed)
+            rows = []
+            for r0 in range(0, pool_rows, 4096):      # chunks: a [4096, E] uniform block at a time
+                n = min(4096, pool_rows - r0)
+                u = torch.rand(n, n_experts, generator=g, device=self.device)
+                rows.append(u.topk(top_k, dim=-1).indices.to(torch.int32))
+            self.pool = torch.cat(rows)                                               # [P, k]
+
+    def reset(self) -> None:
+        self.touched.zero_()
+        self.calls.zero_()
+
+    def mean_touched(self, t: int | None = None) -> float | None:
+        """Mean distinct experts per MoE layer and forward (forwards of `t` tokens per stream,
+        or all); None when no such forward ran. Reads the device counters (syncs)."""
+        sl = slice(None) if t is None else min(t, MAX_T - 1)
+        calls = float(self.calls[sl].sum())
+        return float(self.touched[sl].sum()) / calls if calls else None
+
+    def draw(self, n: int) -> torch.Tensor:
+        """`n` uniform top-k rows `[n, k]` int32 (consecutive pool rows from a random offset)."""
+        off = torch.randint(0, self.pool.shape[0], (1,), device=self.device)
+        idx = (off + torch.arange(n, device=self.device)) % self.pool.shape[0]
+        return self.pool[idx]
+
+    def __call__(self, ids: torch.Tensor, w: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's (ids `[b*t, k]`, weights) of a forward of b streams x t tokens -> the
+        ids the experts run (the router's weights stay), counted."""
+        if self.mode != "model":
+            fresh = self.draw(b * t)                                                 # [b*t, k]
+            tree = self.tree
+            if self.mode == "overlap" and tree is not None and tuple(tree[0].shape) == (b, t):
+                ids = self.overlap_ids(fresh.view(b, t, -1), *tree).view(b * t, -1)
+            else:
+                ids = fresh
+            ids = ids.to(torch.int32)
+        self.count(ids, t)
+        return ids, w
+
+    def count(self, ids: torch.Tensor, t: int) -> None:
+        """Add this forward's distinct experts to the counters (no host sync)."""
+        seen = torch.zeros(self.n_experts, dtype=torch.bool, device=ids.device)
+        seen[ids.reshape(-1).long()] = True
+        i = min(t, MAX_T - 1)
+        self.touched[i] += seen.sum()
+        self.calls[i] += 1
+
+    def overlap_ids(self, fresh: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
+                    max_depth: int) -> torch.Tensor:
+        """fresh `[N, T, k]` uniform draws; parent/depth `[N, T]` of a tree (parent < child)
+        -> `[N, T, k]`: roots keep their draw, a node at depth d keeps each of its parent's
+        experts with probability F and fills the other slots, in order, with its own draws
+        that its parent does not keep (enough of them: k distinct draws meet at most
+        |kept| kept experts)."""
+        n, t, k = fresh.shape
+        cand = self.draw(n * t).view(n, t, k).long()                              # replacement candidates
+        keep = torch.rand(n, t, k, device=fresh.device) < self.overlap            # [N, T, k]
+        out = fresh.long()
+        par = parent.clamp(min=0).view(n, t, 1).expand(n, t, k)
+        for d in range(1, max_depth + 1):
+            pid = out.gather(1, par)                                               # [N, T, k] parent's experts
+            kept = torch.where(keep, pid, -1)
+            ok = ~(cand.unsqueeze(-1) == kept.unsqueeze(-2)).any(-1)               # [N, T, k] candidate unused
+            o_rank = torch.where(ok, ok.long().cumsum(-1) - 1, k)                  # ok candidate -> its slot
+            buf = torch.zeros(n, t, k + 1, dtype=torch.long, device=fresh.device)
+            buf.scatter_(-1, o_rank, cand)
+            d_rank = ((~keep).long().cumsum(-1) - 1).clamp(min=0)                  # i-th dropped slot
+            new = torch.where(keep, pid, buf.gather(-1, d_rank))
+            out = torch.where((depth == d).unsqueeze(-1), new, out)
+        return out
+
+
+def set_routing(model, routing: Routing | None) -> None:
+    """Install (or with None remove) the hook in every MoE layer of `model`."""
+    for moe in model.moe_blocks().values():
+        moe.routing = routing
+
+
+def install(model, spec: str, seed: int = 0) -> Routing:
+    """A `Routing` for `model`'s config and device, installed in its MoE layers."""
+    r = Routing(spec, model.cfg.n_experts, model.cfg.top_k, model.device, seed)
+    set_routing(model, r)
+    return r
