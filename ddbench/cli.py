@@ -34,6 +34,20 @@ CONCURRENCY = typer.Option("1,10", "--concurrency", help="Streams decoded togeth
 OVERRIDE = typer.Option(None, "--override", "-o", help="Config field override FIELD=VALUE (repeatable).")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from ddbench import __version__
+
+        typer.echo(f"ddbench {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")):
+    pass
+
+
 def fail(message: str) -> None:
     """Print a one-line error and exit with code 2."""
     typer.echo(f"error: {message}", err=True)
@@ -74,19 +88,33 @@ def parse_int_list(text: str, what: str) -> list[int]:
     return out
 
 
+def check_output(out: Path, name: Optional[str] = None) -> None:
+    """The shared output check every command runs before its first expensive step: --name is
+    a plain file name, --out is writable, and NAME is free (UserError otherwise)."""
+    from ddbench.results import check_output as check
+
+    check(out, name)
+
+
 @app.command()
 @user_errors
 def env(json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the facts to this JSON file.")):
     """GPU(s), driver, CUDA, torch, triton, NCCL, clocks, memory and interconnect."""
     from ddbench.envinfo import run
+    from ddbench.results import ensure_out_dir
 
+    if json_out is not None:
+        if json_out.is_dir():
+            raise UserError(f"--json {json_out} is a folder; give a file name, e.g. {json_out / 'env.json'}")
+        ensure_out_dir(json_out.parent)
     run(json_out)
 
 
 @app.command()
 @user_errors
 def pack(
-    preset: str = PRESET,
+    preset: Optional[str] = typer.Option(None, "--preset", help="Model preset: k2.6, k2.6-tp8-rank or tiny "
+                                         "(default k2.6 on a GPU, tiny on a CPU)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: each expert's intermediate dim is split tp ways."),
     rank: int = typer.Option(0, "--rank", help="Which TP rank's shard to repack."),
     layers: str = typer.Option("1", "--layers", help="MoE layers: '1', '1-3', '1,5' or 'all'."),
@@ -164,8 +192,17 @@ def moe_sweep(
     the same run. Without a GPU it runs the tiny preset on the CPU (torch backend; triton
     under the interpreter when asked with --backends triton).
     """
+    from ddbench.engine.config import parse_overrides, preset as make_preset
     from ddbench.moe_sweep import run
+    from ddbench.timing import pick_device
 
+    default = "k2.6" if pick_device(device).type == "cuda" else "tiny"
+    n_experts = make_preset(preset or default, tp=tp, rank=0, **parse_overrides(override)).n_experts
+    if not 1 <= hot <= n_experts:
+        raise UserError(f"--hot {hot}: must be between 1 and the preset's {n_experts} experts")
+    if not 0 < hot_share < 1:
+        raise UserError(f"--hot-share {hot_share} must be in (0, 1)")
+    check_output(out, name)
     run(preset=preset, tp=tp, tokens=tokens, routing=routing, backends=backends, graphs=graphs, check=check,
         reps=reps, warmup=warmup, torch_max_tokens=torch_max_tokens, tiles=tiles, hot=hot, hot_share=hot_share,
         device=device, name=name, seed=seed, out=out, override=override)
@@ -258,6 +295,9 @@ def tree_bench(
     """
     from ddbench.tree_bench import run, run_tune
 
+    if not max_attn_gflop > 0:
+        raise UserError(f"--max-attn-gflop {max_attn_gflop}: must be positive")
+    check_output(out, name)
     if tune:
         run_tune(topk=topk, positions=positions, reps=reps, seed=seed, out=out, name=name)
         return
@@ -306,6 +346,7 @@ def baseline(
     """
     from ddbench import baseline as bl
 
+    check_output(out)
     if import_file is not None:
         summary, requests = bl.import_bench_serving(import_file, out, label)
         typer.echo(f"wrote {summary}" + (f" and {requests}" if requests else ""))
@@ -341,6 +382,7 @@ def decode(
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA graph for the decode step (GPU)."),
     init: str = typer.Option("auto", "--init", help="Random init: auto, exact (full tensors, sliced) or "
                                                     "shard (only this rank's, on the device)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Result file name (default decode_<time>)."),
     seed: int = SEED, out: Path = OUT,
     override: Optional[List[str]] = OVERRIDE,
 ):
@@ -355,11 +397,13 @@ def decode(
     """
     from ddbench.decode import run
 
+    levels = parse_int_list(concurrency, "--concurrency")
+    check_output(out, name)
     run(preset=preset, tp=tp, simulate_rank=simulate_rank, gpus=gpus,
-        concurrency=parse_int_list(concurrency, "--concurrency"), prompt_len=prompt_len,
+        concurrency=levels, prompt_len=prompt_len,
         new_tokens=new_tokens, checkpoint=checkpoint, allreduce_model=allreduce_model,
         moe_backend=moe_backend, attn_backend=attn_backend, graph=graph, init=init, seed=seed, out=out,
-        override=override)
+        override=override, name=name)
 
 
 # --- e2e ---
@@ -392,8 +436,9 @@ def e2e(
     attn_backend: str = typer.Option("auto", "--attn-backend", help="auto, torch or triton."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA graphs per phase (GPU)."),
     init: str = typer.Option("auto", "--init", help="Random init: auto, exact or shard."),
-    baseline: Path = typer.Option(Path("results/baseline"), "--baseline",
-                                  help="Folder with baseline CSVs (kind 'baseline') shown beside the engine."),
+    baseline: Optional[Path] = typer.Option(None, "--baseline",
+                                            help="Folder with baseline CSVs (kind 'baseline') shown beside the "
+                                                 "engine (default results/baseline, when it exists)."),
     name: Optional[str] = typer.Option(None, "--name", help="Result file name (default e2e_<time>)."),
     seed: int = SEED, out: Path = OUT,
     override: Optional[List[str]] = OVERRIDE,
@@ -413,21 +458,22 @@ def e2e(
     """
     from ddbench.e2e import run
 
+    if baseline is not None and not baseline.exists():
+        raise UserError(f"--baseline {baseline}: no such file or folder")
+    levels, budgets = parse_int_list(concurrency, "--concurrency"), parse_int_list(budget, "--budget")
+    check_output(out, name)
     run(preset=preset, tp=tp, simulate_rank=simulate_rank, gpus=gpus,
-        concurrency=parse_int_list(concurrency, "--concurrency"), budgets=parse_int_list(budget, "--budget"),
+        concurrency=levels, budgets=budgets,
         acceptance=acceptance.split(","), prompt_len=prompt_len, new_tokens=new_tokens, checkpoint=checkpoint,
         allreduce_model=allreduce_model, moe_backend=moe_backend, attn_backend=attn_backend, graph=graph,
-        init=init, topk=topk, seed=seed, out=out, override=override, baseline=baseline, name=name)
-
-
-def _terminate(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM finishes files like Ctrl-C: rows kept, sidecar says incomplete
+        init=init, topk=topk, seed=seed, out=out, override=override,
+        baseline=baseline or Path("results/baseline"), name=name)
 
 
 def main():
-    import signal
+    from ddbench.results import stop_on_signals
 
-    signal.signal(signal.SIGTERM, _terminate)
+    stop_on_signals()  # SIGTERM/SIGHUP finish files like Ctrl-C: rows kept, sidecar says incomplete
     app(prog_name="ddbench")
 
 
