@@ -111,7 +111,7 @@ def make_plan(*, gpus: int | None, backend: str, min_bytes: str, max_bytes: str 
               graph_ops: int, timeout: float, out: Path, name: str | None, model: bool,
               hidden: int, n_layers: int) -> Plan:
     """Check the command's input and build the Plan; UserError on anything wrong."""
-    from ddbench.results import timestamp
+    from ddbench.results import check_name, timestamp
 
     notes = []
     if backend not in ("auto", "nccl", "gloo"):
@@ -131,6 +131,7 @@ def make_plan(*, gpus: int | None, backend: str, min_bytes: str, max_bytes: str 
         raise UserError(f"--gpus must be at least 1, got {gpus}")
     if any(t < 1 for t in tokens):
         raise UserError(f"--tokens must be positive, got {tokens}")
+    check_name(name)
 
     torchrun = under_torchrun()
     if backend == "auto":
@@ -186,13 +187,10 @@ def make_plan(*, gpus: int | None, backend: str, min_bytes: str, max_bytes: str 
 
 def run(**kwargs) -> Path:
     """`ddbench allreduce`: check input, then run as a torchrun rank or start N ranks."""
-    from ddbench.results import ensure_out_dir
+    from ddbench.results import check_output
 
     plan = make_plan(**kwargs)
-    out = ensure_out_dir(Path(plan.out))
-    csv_path = out / f"{plan.name}.csv"
-    if csv_path.exists():
-        raise UserError(f"{csv_path} exists; pick another --name")
+    csv_path = check_output(Path(plan.out), plan.name) / f"{plan.name}.csv"
     if under_torchrun():
         worker(plan)
     else:
@@ -215,7 +213,9 @@ def launch(argv: list[str], n: int, setup_timeout: float, startup_s: float = STA
     Each rank's stderr goes to a file. When one rank fails the others are stopped at once
     (they would block in a collective), its message becomes a UserError and a crash's log
     is echoed. Ranks that have not all reached READY_DIR within `setup_timeout +
-    startup_s` seconds are stopped too, so nothing is left hanging.
+    startup_s` seconds are stopped too, so nothing is left hanging. Stopped itself (Ctrl-C,
+    SIGTERM) it sends the ranks SIGTERM, which rank 0 answers by finishing its CSV; killed
+    outright, the ranks get SIGTERM from the kernel (`ranks.die_with_parent`).
     """
     root = str(Path(__file__).resolve().parents[1])
     port = free_port()
@@ -226,6 +226,7 @@ def launch(argv: list[str], n: int, setup_timeout: float, startup_s: float = STA
         base.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
         base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n),
                     LOCAL_WORLD_SIZE=str(n), PYTHONUNBUFFERED="1", DDBENCH_READY_DIR=str(ready),
+                    DDBENCH_PARENT_PID=str(os.getpid()),
                     PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         procs, logs = [], []
         try:
@@ -236,7 +237,10 @@ def launch(argv: list[str], n: int, setup_timeout: float, startup_s: float = STA
                                               stderr=log))
             _wait(procs, logs, ready, time.monotonic() + setup_timeout + startup_s, setup_timeout)
         except KeyboardInterrupt:
-            _stop(procs, grace=5.0)  # the ranks got the same Ctrl-C; rank 0 closes its CSV
+            for p in procs:  # a Ctrl-C reached them too, a SIGTERM only this process
+                if p.poll() is None:
+                    p.terminate()
+            _stop(procs, grace=10.0)  # rank 0 finishes its CSV and sidecar
             raise
         finally:
             _stop(procs, grace=3.0)
@@ -503,19 +507,17 @@ class _Progress:
 
 def _finish(plan: Plan, rows: list[dict], n: int, console) -> dict:
     """Rank 0's summary table, and with --model the fit and its predictions."""
-    from rich.table import Table
+    from ddbench.table import print_table
 
     if not rows:
         console.print("no rows measured")
         return {}
-    table = Table(title=f"all-reduce, {n} rank(s), {plan.backend}, {plan.dtype}, {plan.op}")
-    for col in ("size", "tokens", "mode", "time_us", "p20..p80", "algbw GB/s", "busbw GB/s", "wrong"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(human_bytes(r["size_bytes"]), str(r["tokens"] or ""), r["mode"], f"{r['time_us']:.2f}",
-                      f"{r['time_us_p20']:.1f}..{r['time_us_p80']:.1f}", f"{r['algbw_gbps']:.2f}",
-                      f"{r['busbw_gbps']:.2f}", str(r["wrong"]))
-    console.print(table)
+    print_table([{"size": human_bytes(r["size_bytes"]), "tokens": r["tokens"] or "", "mode": r["mode"],
+                  "time_us": r["time_us"], "p20..p80": f"{r['time_us_p20']:.1f}..{r['time_us_p80']:.1f}",
+                  "algbw GB/s": r["algbw_gbps"], "busbw GB/s": r["busbw_gbps"], "wrong": r["wrong"]}
+                 for r in rows], key=("size", "mode", "time_us", "busbw GB/s", "wrong"),
+                title=f"all-reduce, {n} rank(s), {plan.backend}, {plan.dtype}, {plan.op}", console=console,
+                where=f"{plan.name}.csv")
     bad = sum(r["wrong"] for r in rows)
     if bad:
         console.print(f"[red]{bad} wrong element(s): the all-reduce results are not correct[/]")
@@ -530,7 +532,7 @@ def _finish(plan: Plan, rows: list[dict], n: int, console) -> dict:
             console.print(f"[yellow]note:[/] no {mode} model: {e}")
     models = {**{f"measured {m}": f for m, f in fits.items()},
               **{f"preset {k}": load_model(k) for k in PRESETS}}
-    console.print(model_table(models, [1, 16, 160], plan.hidden, plan.n_layers, DTYPES[plan.dtype][1]))
+    print_model_table(models, [1, 16, 160], plan.hidden, plan.n_layers, DTYPES[plan.dtype][1], console)
     if n == 1:
         console.print("[yellow]note:[/] 1 rank moves no bus traffic: the fit measures launch and latency only")
     return {"model": {name: {**m.to_dict(), "decode_step_us": {
@@ -655,24 +657,23 @@ def load_model(spec: str, mode: str | None = None) -> AllReduceModel:
                      source=f"fit: {path.name} {mode}")
 
 
-def model_table(models: dict, tokens: list[int], hidden: int = 7168, n_layers: int = 61,
-                dtype_bytes: int = 2):
-    """A rich table: each model's parameters and per-op / per-step cost at each token count."""
-    from rich.table import Table
 
-    table = Table(title=f"all-reduce model: per TP decode step = 2 x {n_layers} layers "
-                        f"x all-reduce(T x {hidden} x {dtype_bytes} B)")
-    table.add_column("model")
-    for col in ("ranks", "lat_us", "busbw GB/s"):
-        table.add_column(col, justify="right")
-    for t in tokens:
-        table.add_column(f"T={t} op/step us", justify="right")
+def print_model_table(models: dict, tokens: list[int], hidden: int = 7168, n_layers: int = 61,
+                      dtype_bytes: int = 2, console=None, where: str = "the sidecar") -> None:
+    """Each model's parameters and per-op / per-step cost at each token count, fitted to the terminal."""
+    from ddbench.table import print_table
+
+    rows = []
     for name, m in models.items():
-        bw = "-" if math.isinf(m.busbw_gbps) else f"{m.busbw_gbps:.1f}"
-        cells = [f"{m.predict_us(t * hidden * dtype_bytes):.1f} / "
-                 f"{m.decode_step_us(t, hidden, n_layers, dtype_bytes):.0f}" for t in tokens]
-        table.add_row(name, str(m.n_ranks), f"{m.lat_us:.2f}", bw, *cells)
-    return table
+        row = {"model": name, "ranks": m.n_ranks, "lat_us": m.lat_us,
+               "busbw GB/s": None if math.isinf(m.busbw_gbps) else m.busbw_gbps}
+        for t in tokens:
+            row[f"T={t} op/step us"] = (f"{m.predict_us(t * hidden * dtype_bytes):.1f} / "
+                                        f"{m.decode_step_us(t, hidden, n_layers, dtype_bytes):.0f}")
+        rows.append(row)
+    print_table(rows, key=("model", *(f"T={t} op/step us" for t in tokens)), console=console,
+                title=f"all-reduce model: per TP decode step = 2 x {n_layers} layers "
+                      f"x all-reduce(T x {hidden} x {dtype_bytes} B)", where=where)
 
 
 def predict(spec: str, tokens: list[int], hidden: int, n_layers: int, dtype: str) -> None:
@@ -682,7 +683,8 @@ def predict(spec: str, tokens: list[int], hidden: int, n_layers: int, dtype: str
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose {', '.join(DTYPES)}")
     m = load_model(spec)
-    Console().print(model_table({m.source: m}, tokens, hidden, n_layers, DTYPES[dtype][1]))
+    print_model_table({m.source: m}, tokens, hidden, n_layers, DTYPES[dtype][1], Console(),
+                      where=f"the spec {spec!r}")
 
 
 # ----------------------------------------------------------------------------- plots
@@ -738,7 +740,13 @@ def plot(results: dict, out: Path, fmt: str) -> list[tuple[str, Path]]:
 # ----------------------------------------------------------------------------- rank entry
 
 def _rank_main(argv: list[str]) -> int:
-    """`python -m ddbench.allreduce PLAN_JSON`: one rank started by `launch`."""
+    """`python -m ddbench.allreduce PLAN_JSON`: one rank started by `launch` (or torchrun)."""
+    from ddbench.ranks import die_with_parent
+    from ddbench.results import stop_on_signals
+
+    stop_on_signals(include_sigint=True)  # SIGTERM as Ctrl-C: rank 0 finishes its CSV
+    if os.environ.get("DDBENCH_PARENT_PID"):
+        die_with_parent(int(os.environ["DDBENCH_PARENT_PID"]))
     try:
         worker(Plan(**json.loads(argv[1])))
     except UserError as e:

@@ -150,7 +150,7 @@ def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
 def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | None, concurrency: list[int],
         prompt_len: int, new_tokens: int, checkpoint: Path | None, allreduce_model: str | None,
         moe_backend: str, attn_backend: str, graph: bool, init: str, seed: int, out: Path,
-        override: list[str] | None) -> Path:
+        override: list[str] | None, name: str | None = None) -> Path:
     from rich.console import Console
     from rich.progress import Progress
 
@@ -201,7 +201,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
                                "comm_us modelled (simulated) or measured (distributed); floor_us = (weight + "
                                "KV bytes a step reads) / measured copy bandwidth")
     total_rows = len(concurrency)
-    with ResultWriter(out, "decode", meta) as writer, Progress(console=console) as progress:
+    with ResultWriter(out, "decode", meta, name=name) as writer, Progress(console=console) as progress:
         task = progress.add_task(f"decode {cfg.name} tp={tp} {mode}", total=total_rows)
         if distributed:
             kw = dict(device=device.type, preset=preset, overrides=overrides, checkpoint=checkpoint, moe=moe,

@@ -93,14 +93,17 @@ def checksum(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def run(*, preset: str, tp: int, rank: int, layers: str, group_size: int | None, device: str,
+def run(*, preset: str | None, tp: int, rank: int, layers: str, group_size: int | None, device: str,
         verify: bool, save_checkpoint: bool, seed: int, out: Path, override: list[str] | None,
         hf_dir: Path | None = None) -> Path:
-    from safetensors.torch import save_file
-
     fields = parse_overrides(override)
     if group_size is not None:
         fields["group_size"] = group_size
+    dev = pick_device(device)
+    if preset is None:
+        preset = "k2.6" if dev.type == "cuda" else "tiny"
+        if dev.type != "cuda":
+            print("note: no GPU, so the tiny preset (pass --preset k2.6 for the full model: minutes per layer)")
     cfg = make_preset(preset, tp=tp, rank=rank, **fields)
     cfg.check_marlin()
     if hf_dir is not None:
@@ -108,11 +111,37 @@ def run(*, preset: str, tp: int, rank: int, layers: str, group_size: int | None,
     if (cfg.moe_inter_local * rank) % cfg.group_size:
         raise UserError(f"rank shard start {cfg.moe_inter_local * rank} breaks group size {cfg.group_size}")
     layer_ids = parse_layers(layers, cfg)
-    dev = pick_device(device)
     out_dir = ensure_out_dir(out) / f"pack_{cfg.name}_tp{tp}_r{rank}_{timestamp()}"
     out_dir.mkdir()
     manifest = run_metadata("pack", preset=cfg.name, tp=tp, rank=rank, seed=seed, device=str(dev),
-                            group_size=cfg.group_size, config=cfg.to_dict(), layers={})
+                            group_size=cfg.group_size, config=cfg.to_dict(), layers={},
+                            layers_planned=layer_ids, completed=False)
+    # the manifest exists from the start and lists each layer once its files are complete,
+    # so a run stopped by any signal (even kill -9) leaves an honest record of what it wrote
+    atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
+    try:
+        _pack_layers(cfg, layer_ids, dev, tp, rank, seed, verify, save_checkpoint, out_dir, manifest)
+    except BaseException as e:
+        for tmp in out_dir.glob("*.partial"):
+            tmp.unlink()
+        manifest["error"] = f"{type(e).__name__}: {e}"
+        atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
+        print(f"stopped: {out_dir} holds {len(manifest['layers'])} of {len(layer_ids)} layer(s) "
+              "(manifest.json: completed false)")
+        raise
+    manifest["completed"] = True
+    atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
+    total = sum(t["bytes"] for L in manifest["layers"].values() for t in L["tensors"].values())
+    pack_s = sum(L["pack_s"] for L in manifest["layers"].values())
+    print(f"wrote {out_dir} ({len(layer_ids)} layer(s), {total / 1e9:.2f} GB Marlin; "
+          f"pack {pack_s:.2f} s on {dev}{'; verified bit-exact' if verify else ''})")
+    return out_dir
+
+
+def _pack_layers(cfg: ModelConfig, layer_ids: list[int], dev, tp: int, rank: int, seed: int, verify: bool,
+                 save_checkpoint: bool, out_dir: Path, manifest: dict) -> None:
+    from safetensors.torch import save_file
+
     chunks = [range(e, min(e + EXPERT_CHUNK, cfg.n_experts)) for e in range(0, cfg.n_experts, EXPERT_CHUNK)]
     with Progress() as progress:
         task = progress.add_task("packing", total=len(layer_ids) * len(chunks))
@@ -153,11 +182,6 @@ def run(*, preset: str, tp: int, rank: int, layers: str, group_size: int | None,
                 "write_s": round(time.perf_counter() - t0, 3),
             }
             atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
-    total = sum(t["bytes"] for L in manifest["layers"].values() for t in L["tensors"].values())
-    pack_s = sum(L["pack_s"] for L in manifest["layers"].values())
-    print(f"wrote {out_dir} ({len(layer_ids)} layer(s), {total / 1e9:.2f} GB Marlin; "
-          f"pack {pack_s:.2f} s on {dev}{'; verified bit-exact' if verify else ''})")
-    return out_dir
 
 
 def write_hf_dir(cfg: ModelConfig, hf_dir: Path, seed: int) -> Path:

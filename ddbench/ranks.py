@@ -1,5 +1,6 @@
 """Local tensor-parallel runs: one spawned process per rank (NCCL on GPU `rank`, gloo on
-the CPU); rank 0 sends its result rows to the parent, and any rank's failure stops all."""
+the CPU); rank 0 sends its result rows to the parent, any rank's failure stops all, and
+the ranks die with the parent (`die_with_parent`)."""
 from __future__ import annotations
 
 import datetime
@@ -51,10 +52,12 @@ def init_rank(rank: int, tp: int, port: int, device_kind: str, timeout_s: float)
     return torch.device("cuda", rank) if cuda else torch.device("cpu")
 
 
-def _entry(worker, rank: int, tp: int, port: int, queue, kw: dict) -> None:
-    """Run `worker(rank, tp, port, report, kw)` in a rank process, then leave the group."""
+def _entry(worker, rank: int, tp: int, port: int, queue, kw: dict, parent_pid: int) -> None:
+    """Run `worker(rank, tp, port, report, kw)` in a rank process, then leave the group;
+    the process ends when its parent does (kill -9 included)."""
     import torch.distributed as dist
 
+    die_with_parent(parent_pid)
     try:
         report = (lambda row: queue.put(("row", row))) if rank == 0 else (lambda row: None)
         worker(rank, tp, port, report, kw)
@@ -75,10 +78,11 @@ def run_ranks(worker, tp: int, kw: dict, on_row, what: str) -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(worker, r, tp, port, q, kw), daemon=True) for r in range(tp)]
+    procs = [ctx.Process(target=_entry, args=(worker, r, tp, port, q, kw, os.getpid()), daemon=True)
+             for r in range(tp)]
     for p in procs:
         p.start()
-    done, error = set(), None
+    done, error, finished = set(), None, False
     try:
         while len(done) < tp and error is None:
             try:
@@ -94,10 +98,37 @@ def run_ranks(worker, tp: int, kw: dict, on_row, what: str) -> None:
                 done.add(msg)
             else:
                 error = msg
-    finally:
+        finished = error is None
+    finally:  # after an error or an interrupt the ranks are stopped at once
         for p in procs:
-            p.join(timeout=5 if error is None else 1)
+            p.join(timeout=5 if finished else 0)
             if p.is_alive():
                 p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
     if error:
         raise RuntimeError(f"tensor-parallel {what} failed: {error}")
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this rank process get SIGTERM when `parent_pid` (its launcher) dies, kill -9
+    included: Linux's PR_SET_PDEATHSIG, else a watchdog thread polling the parent id."""
+    import ctypes
+    import signal
+    import threading
+    import time
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl failed")
+    except (OSError, AttributeError):
+        def watch():
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=watch, daemon=True, name="ddbench-parent-watch").start()
+    if os.getppid() != parent_pid:  # the parent died before the request took hold
+        os.kill(os.getpid(), signal.SIGTERM)

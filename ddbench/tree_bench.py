@@ -101,7 +101,8 @@ def run(*, budgets, streams, prefixes, heads, topk, positions, dtype, kernels, m
         reps, layers, preset, override, seed, out, name):
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
+
+    from ddbench.table import print_table
 
     console = Console()
     cuda = torch.cuda.is_available()
@@ -119,6 +120,8 @@ def run(*, budgets, streams, prefixes, heads, topk, positions, dtype, kernels, m
         raise UserError(f"--kernels {bad}: choose from {', '.join(KERNELS)}")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose bf16, fp16 or fp32")
+    if not max_attn_gflop > 0:
+        raise UserError(f"--max-attn-gflop {max_attn_gflop}: must be positive")
     for what, values in [("--budgets", budgets), ("--streams", streams), ("--prefixes", prefixes),
                          ("--heads", heads), ("--reps", [reps]), ("--topk", [topk]),
                          ("--positions", [positions]), ("--layers", [layers])]:
@@ -246,17 +249,18 @@ def run(*, budgets, streams, prefixes, heads, topk, positions, dtype, kernels, m
                  flops=fl, tflops=round(fl / (st.median_us * 1e-6) / 1e12, 2), max_abs_err=err, stats=st)
         rows = rw.rows
 
-    table = Table(title=f"tree-bench on {device_name} (copy {copy_bw:.0f} GB/s)"
-                        + ("  [CPU tiny preset, interpreter]" if not cuda else ""))
-    for c in ("kernel", "streams", "budget", "t", "prefix", "heads", "layers", "time_us", "pct_copy_bw", "tflops"):
-        table.add_column(c, justify="right")
-    for r in rows:
-        if r["kernel"] == "attn" and r["t"] not in (1, 17, 65) and cuda:
-            continue
-        table.add_row(*(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c])
-                        for c in ("kernel", "streams", "budget", "t", "prefix", "heads", "layers", "time_us",
-                                  "pct_copy_bw", "tflops")))
-    console.print(table)
+    if not rows:
+        console.print(f"no rows measured (nothing to time for --kernels {','.join(kernels)}); no CSV written")
+        return None
+    shown = [r for r in rows if not (r["kernel"] == "attn" and r["t"] not in (1, 17, 65) and cuda)]
+    print_table(shown, ("kernel", "streams", "budget", "t", "prefix", "heads", "layers", "time_us", "pct_copy_bw",
+                        "tflops", "time_us_p20", "time_us_p80", "bw_gbps", "max_abs_err"),
+                key=("kernel", "streams", "budget", "t", "prefix", "heads", "time_us"), console=console,
+                title=f"tree-bench on {device_name} (copy {copy_bw:.0f} GB/s)"
+                      + ("  [CPU tiny preset, interpreter]" if not cuda else "")
+                      + (f"; attention at T = 1, 17, 65 of {sum(r['kernel'] == 'attn' for r in rows)} rows"
+                         if len(shown) < len(rows) else ""),
+                where=rw.path.name)
     console.print(f"wrote {rw.path}")
     return rw.path
 

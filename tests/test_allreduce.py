@@ -204,7 +204,7 @@ def test_report_draws_both_plots(two_ranks, tmp_path):
     report = run([out], tmp_path, "png")
     assert (tmp_path / "allreduce_busbw.png").stat().st_size > 0
     assert (tmp_path / "allreduce_time.png").stat().st_size > 0
-    assert "latency + bandwidth model" in report.read_text()
+    assert "All-reduce time" in report.read_text()
 
 
 @pytest.mark.gpu
