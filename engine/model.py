@@ -255,7 +255,7 @@ class MoE(nn.Module):
         k_rows = cfg.top_k if xh is not None else 1
         # the shared expert's gate/up GEMM does not depend on the routed experts: on the skinny
         # path it runs on a side stream beside them (its time then overlaps the "moe" phase;
-        # at 10 rows, cuBLAS path, the step was 5.5 ms slower with it: docs/BENCHMARKS.md)
+        # at 10 rows, cuBLAS path, the step was 5.5 ms slower with it: docs/notes/decode.md)
         side = self.ops.side_stream(xf) if xh is not None else None
         if side is not None:
             main = torch.cuda.current_stream(xf.device)

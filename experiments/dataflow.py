@@ -15,7 +15,7 @@ SLOT bytes an SM), so a dependency costs only what the ring cannot cover. Same m
 tile owns whole rows). `experiments/scripts/chain_probe.py` times it against the launch chain
 (`dataflow` modes), `experiments/scripts/dataflow_profile.py` shows where its time goes (marks, ncu).
 
-Measured (H200, docs/BENCHMARKS.md decode sessions 16-18): correct; its stream alone (the same
+Measured (H200, docs/notes/decode.md, sessions 16-19): correct; its stream alone (the same
 phases without dependencies) reaches 20.5 us a layer with the publisher lane, 1.32x the copy
 floor of 15.5, but with the dependencies it takes 34.3, slower than the engine's launches
 (29.6): a dependency costs ~2.2 us in a chain of tiny phases against 1.09 for a launch with

@@ -25,7 +25,7 @@ from ddbench.kernels.mla_attn import mla_attention_ref
 
 ENABLED = os.environ.get("DDBENCH_MLA_DECODE", "1") != "0"
 # streams a call may have (read at each call): at one stream the c=1 step was 356 us faster
-# than with the three launches, at ten 809 us slower (H200, docs/BENCHMARKS.md decode session 14)
+# than with the three launches, at ten 809 us slower (H200, docs/notes/decode.md, session 14)
 MAX_STREAMS = 1
 CLUSTER, THREADS = 8, 256                       # as kernels/mla_decode.cu
 L, DR, DN, DV = 512, 64, 128, 128               # latent, rope, no-rope query, value dims a head

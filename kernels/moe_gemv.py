@@ -31,7 +31,7 @@ lane 4g + t of a warp the B fragments of an mma.m16n8k16 directly, the dequantiz
 multiplied by up to 16 rows at the cost of one (rows g and g + 8 of each lane; fp32 sums),
 which is where rows share experts (a DDTree verify, `moe_triton.STREAM_TILES`). One row a
 block stays on the packed fp16 dot: there the mma, 1/16 used, was slower (+570 us in the
-c=1 decode step on the H200, docs/BENCHMARKS.md).
+c=1 decode step on the H200, docs/notes/decode.md).
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ with `acc_scale` (32-row steps, one group each) the operand is the exact 16-bit 
 (bf16, q | 0x4300) or 1024 + q (fp16, q | 0x6400), the bias removed after the dot as
 BIAS * rowsum(A) and the group scale applied to the `[BM, BN/2]` product.
 
-Status (H200, docs/BENCHMARKS.md): correct at every point (rel. error 3.8e-3 in bf16) and
+Status (H200, docs/notes/moe.md): correct at every point (rel. error 3.8e-3 in bf16) and
 40-439x faster than the torch reference, but only 21-25 % of the copy bandwidth at
 16 <= T <= 512; the tile sweep says cost grows with per-CTA tile size (more warps, stages,
 wider tiles all slower), which points at the layout conversion of the dequantized tile to
@@ -83,7 +83,7 @@ class MoeTritonConfig:
 # slightly at T = 4096, but lost at T = 1024-2048 with block_m 32 (3891 vs 3366 us,
 # 7480 vs 6563 us): results/h200/moe_sweep_tp8_join.csv against moe_sweep_tp8.csv.
 # kernels.moe_gemv, one row a block (packed fp16 dot), runs up to 0.3 per expert (T <= 14 at
-# K2.6; decode c=10, T=10: 10.3 vs 17.4 ms, docs/BENCHMARKS.md); above, rows sorted by expert
+# K2.6; decode c=10, T=10: 10.3 vs 17.4 ms, git show 101a95d:docs/BENCHMARKS.md); above, rows sorted by expert
 # into blocks of 16 that it runs on the tensor cores, up to 10.7 per expert (T <= 512):
 # `ddbench moe-sweep`, uniform routing, CUDA graphs, H200 2026-12-03 09:17
 # (results/h200/moe_sweep_tp8_{default,gemv8,gemv16}-20261203-0917.csv), against this file's
@@ -91,7 +91,7 @@ class MoeTritonConfig:
 # 1129 -> 994, 512 1333 -> 1125; 8-row blocks 2-6 % faster than 16 at T = 32-256, slower at
 # 16 and 512 (+7 % against m16 join), so 16 throughout. Up to 0.05 per expert (T <= 19 at
 # K2.6: decode at c=1-2) w13 takes 512 columns a program: the c=1 decode step -27 / -26 us in
-# two runs, c=10 +364 us (docs/BENCHMARKS.md decode session 14).
+# two runs, c=10 +364 us (experiments/results/decode_variants_20261203-1907_w13_512.csv).
 TILE_TABLE: list[tuple[float, dict]] = [
     (0.05, dict(gemv=True, block_m=1, block_n13=512, block_n2=256)),
     (0.3, dict(gemv=True, block_m=1, block_n13=256, block_n2=256)),
@@ -107,7 +107,7 @@ TILE_TABLE: list[tuple[float, dict]] = [
 # applies (16-row blocks up to 10.7 per expert); [] turns it off (read at each call). H200,
 # `ddbench e2e` budget 8: c=1 (9 tokens a stream, 0.19 per expert) verify MoE 7609 us one row
 # a block, 6434 with 8 rows, 6654 with 16; c=10 (1.9 per expert) 24419 us on the tl.dot
-# path, 21973 with 8 rows, 20606 with 16 (docs/BENCHMARKS.md, e2e session 8).
+# path, 21973 with 8 rows, 20606 with 16 (docs/notes/e2e.md).
 STREAM_TILES: list[tuple[float, int]] = [(0.3, 8)]
 
 

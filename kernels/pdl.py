@@ -16,7 +16,7 @@ whatever overlaps:
 
 Modes (`mode`): 0 off, 1 wait only (the next kernel launches when this one's programs end),
 2 wait then trigger (the next kernel's programs may become resident while this one runs).
-An L2 prefetch of each GEMM's weights before the wait was measured slower (docs/BENCHMARKS.md).
+An L2 prefetch of each GEMM's weights before the wait was measured slower (docs/notes/decode.md).
 `ENABLED` (environment `DDBENCH_PDL=0` turns it off) and `TRIGGER` are read at each launch.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 At concurrency 1 every dense layer is a matrix-vector product: the job is streaming W once
 at the copy bandwidth. cuBLAS picks split-K tensor-core kernels plus a reduce kernel for
-these shapes (docs/BENCHMARKS.md, decode section); here each program owns BN rows of W, streams them in
+these shapes (experiments/README.md, skinny_bench); here each program owns BN rows of W, streams them in
 [BN, BK] tiles (16-byte loads, pipelined), multiplies by the x rows on the CUDA cores in
 fp32 and reduces over BK once, after the loop. Other shapes go to `F.linear`.
 
@@ -221,7 +221,7 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `linear(x, w)` takes the Triton path: where it beat cuBLAS on the H200
     (scripts/gpu/skinny_bench.py, docs/BENCHMARKS.md), i.e. CUDA, 1..MAX_ROWS rows (MAX_ROWS = 0
     turns it off), N <= MAX_N_OVER_K * K (long rows of W; with PDL the N > K ones were also
-    slower in the decode step: docs/BENCHMARKS.md), bf16/fp16. The engine fuses its norms and epilogues into
+    slower in the decode step: docs/notes/decode.md), bf16/fp16. The engine fuses its norms and epilogues into
     a GEMM only where this holds for that GEMM (or, for the shared expert's down GEMM, where
     it held for the router)."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0

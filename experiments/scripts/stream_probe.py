@@ -1,7 +1,7 @@
 """How fast a grid's programs pull weights from DRAM, by copy kind, programs an SM and threads
 (experiments/stream_probe.cu; H200). The question behind it: can one program an SM, the shape a
 persistent decode kernel needs, stream as fast as the launches it would replace? (The one-launch
-MoE block's programs got 10-15 GB/s: docs/BENCHMARKS.md decode session 13.)
+MoE block's programs got 10-15 GB/s: docs/notes/decode.md, session 13.)
 
 python3 -m experiments.scripts.stream_probe [OUT_DIR] -> OUT_DIR/stream_probe.csv. Two sizes a config:
 `stream`, 1 GiB in one launch (the steady rate), and `burst`, 256 KB an SM (about what the MoE
