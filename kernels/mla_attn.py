@@ -372,7 +372,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     if num_stages is None:
         num_stages = DECODE_STAGES if small else 2     # 32 x 576 bf16 tiles: 2 in flight, 2 programs/SM
     if min_chunk is None:
-        # 32 with the MAX_CHUNKS cap (see there; scripts/gpu/attn_probe.py)
+        # 32 with the MAX_CHUNKS cap (see there; experiments/scripts/attn_probe.py)
         min_chunk = MIN_CHUNK if num_splits is None else block_n
     min_chunk = triton.cdiv(min_chunk, block_n) * block_n
     n_mb = triton.cdiv(rows, block_m)

@@ -36,7 +36,7 @@ MAX_ROWS = 4
 MAX_N_OVER_K = 1   # `fits`: W with at most this many rows per column (read at each call)
 # launch shape, read at each launch (`tiles`, `skinny_bmm`): programs per SM the column tiles
 # aim for, values of a [BM, BN, BK] product, warps, pipeline stages. Chosen in the c=1 decode
-# step on the H200 (scripts/gpu/decode_variants.py TRIALS, results/h200/decode/decode_trials_*):
+# step on the H200 (experiments/scripts/decode_variants.py TRIALS, experiments/results/decode_trials_*):
 # 4096 values 93 us faster than 8192 (2048: +1.3 ms); 1 or 4 programs/SM, 3 or 6 stages, 8 warps slower
 PROGRAMS_PER_SM = 2
 TILE_VALUES = 4096
