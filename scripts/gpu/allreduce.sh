@@ -5,33 +5,34 @@
 #   2. the launcher: --gpus 1, eager + CUDA graph, 8 B .. 256 MiB + TP decode messages, --model
 #   3. the torchrun path: torch.distributed.run --nproc-per-node 1, eager + graph, up to 1 MiB
 #   4. ddbench report on these CSVs (busbw and time-vs-size plots)
-# Writes results/h200/allreduce/ (CSV + JSON sidecars, plots, logs), copied to $OUT if set.
+# Writes results/h200/allreduce/<UTC stamp>_1gpu and _torchrun_1gpu (CSV + JSON sidecar), plots under
+# results/report/allreduce/, logs/allreduce_gpu_<stamp>.log; the run's files are copied to $OUT if set.
 # Expected runtime: about 1-2 minutes (well under 4).
 cd "$(dirname "$0")/../.."
 set -o pipefail  # a step fails when its command fails, not its tee
-stamp=$(date +%Y%m%d-%H%M%S)
+stamp=$(date -u +%Y%m%d-%H%M%S)
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 dir=results/h200/allreduce
-mkdir -p "$dir"
-log() { tee -a "$dir/allreduce_gpu.log"; }
+mkdir -p "$dir" logs
+log() { tee -a "logs/allreduce_gpu_$stamp.log"; }
 
 timeout 240 python3 -m pytest -q -m gpu tests/test_allreduce.py 2>&1 | log || echo "FAILED allreduce gpu tests"
 
 timeout 240 python3 -m ddbench allreduce --backend nccl --gpus 1 --max-bytes 256M --tokens 1,16,160,512 \
-  --mode both --model --name allreduce_1gpu_$stamp --out "$dir" 2>&1 | log || echo "FAILED allreduce 1-gpu sweep"
+  --mode both --model --name ${stamp}_1gpu --out "$dir" 2>&1 | log || echo "FAILED allreduce 1-gpu sweep"
 
 timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m ddbench allreduce \
-  --backend nccl --max-bytes 1M --tokens 1,16 --reps 10 --name allreduce_torchrun_1gpu_$stamp --out "$dir" 2>&1 | log \
+  --backend nccl --max-bytes 1M --tokens 1,16 --reps 10 --name ${stamp}_torchrun_1gpu --out "$dir" 2>&1 | log \
   || echo "FAILED allreduce under torchrun"
 
-timeout 120 python3 -m ddbench report "$dir" --out "$dir/report" 2>&1 | log || echo "FAILED allreduce report"
+timeout 120 python3 -m ddbench report "$dir" --out results/report/allreduce 2>&1 | log || echo "FAILED allreduce report"
 
-[ -n "$OUT" ] && mkdir -p "$OUT/allreduce" && cp -r "$dir"/. "$OUT/allreduce/"
+[ -n "$OUT" ] && mkdir -p "$OUT/allreduce" && cp "$dir/$stamp"_* "logs/allreduce_gpu_$stamp.log" "$OUT/allreduce/"
 
-python3 - <<'PY' || echo "FAILED allreduce summary"
-import glob, json
+STAMP=$stamp python3 - <<'PY' || echo "FAILED allreduce summary"
+import glob, json, os
 import pandas as pd
-for f in sorted(glob.glob("results/h200/allreduce/allreduce_*.csv")):
+for f in sorted(glob.glob(f"results/h200/allreduce/{os.environ['STAMP']}_*.csv")):
     d = pd.read_csv(f)
     print(f"\n== {f}: {len(d)} rows, wrong total {int(d.wrong.sum())}")
     pick = d[(d.tokens > 0) | d.size_bytes.isin([8, 2**16, 2**20, 2**24, 2**28])]

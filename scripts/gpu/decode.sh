@@ -14,18 +14,20 @@
 #   3. ddbench report on the CSV (stacked per-phase step time)
 #   (the kernel-by-kernel profile and the skinny-GEMM bench are experiments:
 #    experiments/README.md)
-# Writes results/h200/decode/ (CSV + JSON sidecar, plot, logs), copied to $OUT if set.
+# Writes results/h200/decode/<UTC stamp>.{csv,json}, its plot under results/report/decode/ and
+# logs/decode_gpu_<stamp>.log; the run's files are copied to $OUT if set.
 # Expected runtime: about 3-4 minutes (init ~20 s, Triton compiles ~30-60 s, decode < 30 s).
 cd "$(dirname "$0")/../.."
 set -o pipefail
 export PYTHONUNBUFFERED=1
 dir=results/h200/decode
-mkdir -p "$dir"
-log() { tee -a "$dir/decode_gpu.log"; }
+stamp=$(date -u +%Y%m%d-%H%M%S)
+mkdir -p "$dir" logs
+log() { tee -a "logs/decode_gpu_$stamp.log"; }
 
 
 timeout 300 python3 -m ddbench decode --preset k2.6 --tp 8 --simulate-rank 0 --concurrency 1,10 \
-  --prompt-len 128 --new-tokens 64 --allreduce-model nvlink-h200 --out "$dir" 2>&1 | log \
+  --prompt-len 128 --new-tokens 64 --allreduce-model nvlink-h200 --out "$dir" --name "$stamp" 2>&1 | log \
   || echo "FAILED decode k2.6 tp8 simulated rank 0"
 
 timeout 150 python3 -m pytest -q tests/test_engine_kernels.py 2>&1 | log || echo "FAILED engine kernel tests"
@@ -34,15 +36,15 @@ timeout 90 python3 -m pytest -q -m gpu tests/test_pdl.py 2>&1 | log || echo "FAI
 timeout 120 python3 -m pytest -q -m gpu tests/test_skinny.py 2>&1 | log || echo "FAILED skinny gpu tests"
 timeout 60 python3 -m pytest -q tests/test_moe_triton.py -k x_half_and_rows 2>&1 | log || echo "FAILED moe x_half/sum_k test"
 
-timeout 60 python3 -m ddbench report "$dir" --out "$dir/report" 2>&1 | log || echo "FAILED decode report"
+timeout 60 python3 -m ddbench report "$dir" --out results/report/decode 2>&1 | log || echo "FAILED decode report"
 
-[ -n "$OUT" ] && mkdir -p "$OUT/decode" && cp -r "$dir"/. "$OUT/decode/"
+[ -n "$OUT" ] && mkdir -p "$OUT/decode" && cp "$dir/$stamp".* "logs/decode_gpu_$stamp.log" "$OUT/decode/"
 
-python3 - <<'PY' || echo "FAILED decode summary"
-import glob, json
+STAMP=$stamp python3 - <<'PY' || echo "FAILED decode summary"
+import glob, json, os
 import pandas as pd
 pd.set_option("display.width", 250)
-for f in sorted(glob.glob("results/h200/decode/decode_*.csv")):
+for f in sorted(glob.glob(f"results/h200/decode/{os.environ['STAMP']}.csv")):
     d = pd.read_csv(f)
     meta = json.load(open(f[:-4] + ".json"))
     print(f"\n== {f}: {meta.get('preset')} tp={meta.get('tp')} {meta.get('mode')} init={meta.get('init')} "

@@ -12,14 +12,15 @@
 # Acceptance synthetic TAU = 3, 6, 9 (random weights cannot accept for real), AR beside,
 # projected TP-8 numbers (measured rank compute + modelled NVLink all-reduce).
 # A timed-out step is stopped with SIGINT, so its CSV keeps the rows already measured.
-# Writes results/h200/e2e_c{1,10}_<stamp>.{csv,json}; copies them and the log to $OUT if set.
+# Writes results/h200/e2e/<UTC stamp>_c1 and _c10 (.csv + .json sidecar) and logs/e2e_<stamp>.log;
+# copies them to $OUT if set.
 cd "$(dirname "$0")/../.." || exit 1
 set -o pipefail
 PY=${PYTHON:-python3}
 STAMP=$(date -u +%Y%m%d-%H%M%S)
-RES=results/h200
-mkdir -p "$RES"
-LOG=$RES/e2e_$STAMP.log
+RES=results/h200/e2e
+mkdir -p "$RES" logs
+LOG=logs/e2e_$STAMP.log
 ACC=synthetic:3,synthetic:6,synthetic:9
 # prompt 128 keeps the context short (tree-verify attention grows with context x tree size;
 # docs/notes/tree.md); E2E_PROMPT_LEN / E2E_NEW_TOKENS change it
@@ -32,15 +33,15 @@ timeout -k 10 -s INT 75 $PY -m pytest -q -m gpu tests/test_spec_gpu.py 2>&1 | ta
 
 echo "== e2e c=1 ==" | tee -a "$LOG"
 timeout -k 10 -s INT 110 $PY -m ddbench e2e $COMMON --concurrency 1 --budget "${E2E_C1_BUDGETS:-8,16,32,64,128,256}" \
-  --name "e2e_c1_$STAMP" 2>&1 | tail -30 | tee -a "$LOG" || echo "FAILED step: e2e c=1" | tee -a "$LOG"
+  --name "${STAMP}_c1" 2>&1 | tail -30 | tee -a "$LOG" || echo "FAILED step: e2e c=1" | tee -a "$LOG"
 
 echo "== e2e c=10 ==" | tee -a "$LOG"
 timeout -k 10 -s INT 115 $PY -m ddbench e2e $COMMON --concurrency 10 --budget "${E2E_C10_BUDGETS:-8,16,32,64,128,256}" \
-  --name "e2e_c10_$STAMP" 2>&1 | tail -30 | tee -a "$LOG" || echo "FAILED step: e2e c=10" | tee -a "$LOG"
+  --name "${STAMP}_c10" 2>&1 | tail -30 | tee -a "$LOG" || echo "FAILED step: e2e c=10" | tee -a "$LOG"
 
 echo "== summary (issue 10 targets at TAU=6: c=1 >= 700 tok/s, c=10 >= 2000 tok/s, step <= 1.3x floor+comm) ==" \
   | tee -a "$LOG"
-CSVS=$(ls "$RES"/e2e_c1_"$STAMP".csv "$RES"/e2e_c10_"$STAMP".csv 2>/dev/null | tr '\n' ' ')
+CSVS=$(ls "$RES/${STAMP}_c1.csv" "$RES/${STAMP}_c10.csv" 2>/dev/null | tr '\n' ' ')
 if [ -n "$CSVS" ]; then
   $PY -c "import sys; from ddbench.e2e import summary; summary(sys.argv[1:])" $CSVS 2>&1 | tee -a "$LOG" \
     || echo "FAILED step: summary" | tee -a "$LOG"
@@ -50,5 +51,5 @@ fi
 
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT/e2e"
-  cp "$LOG" "$RES"/e2e_c1_"$STAMP".* "$RES"/e2e_c10_"$STAMP".* "$OUT/e2e/" 2>/dev/null || true
+  cp "$LOG" "$RES/${STAMP}"_c1.* "$RES/${STAMP}"_c10.* "$OUT/e2e/" 2>/dev/null || true
 fi
