@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One eager c=1 decode step of a 3-layer K2.6 TP-8 rank-0 shard under Nsight Compute
 # (experiments/scripts/decode_ncu.py): per kernel duration, DRAM bytes, occupancy, issue use, stalls.
-# Writes results/h200/decode/decode_ncu_<stamp>.csv (+ the raw ncu CSV), copied to $OUT/decode.
+# Writes experiments/results/decode_ncu_<stamp>.csv (+ the raw ncu CSV), copied to $OUT/decode.
 # About 1-2 minutes.
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
-dir=results/h200/decode
+dir=experiments/results
 mkdir -p "$dir"
 stamp=$(date -u +%Y%m%d-%H%M)
 raw="$dir/decode_ncu_raw_$stamp.csv"

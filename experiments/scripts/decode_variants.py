@@ -54,7 +54,7 @@ def _gemv_row0(**change) -> list:
 
 
 # Launch shapes to try against the defaults of this tree (each knob's current value is the one
-# the trials in results/h200/decode/decode_trials_*.csv chose; those CSVs name the trials of
+# the trials in experiments/results/decode_trials_*.csv chose; those CSVs name the trials of
 # their day, some of which were the later defaults).
 TRIALS = {  # trial -> [(module, attribute, value), ..]
     "skinny 1 program/SM": [("ddbench.kernels.skinny", "PROGRAMS_PER_SM", 1)],
