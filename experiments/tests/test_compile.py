@@ -1,0 +1,39 @@
+"""The probes' CUDA sources compile with NVRTC through experiments/cuda.py's include of
+probe_common.cuh, with no GPU needed (skipped where no libnvrtc can be loaded; on a CPU machine
+`pip install --target DIR nvidia-cuda-nvrtc-cu12` and LD_LIBRARY_PATH=DIR/nvidia/cuda_nvrtc/lib)."""
+import pytest
+
+from ddbench.kernels import cuda
+from experiments import dataflow, hop_probe
+from experiments.cuda import HERE
+
+
+def _cubin(source: str, defines: dict) -> bytes:
+    defines = {**defines, "PROBE_COMMON": f'"{HERE / "probe_common.cuh"}"'}
+    return cuda.cubin(str(HERE / source), tuple(sorted(defines.items())), "sm_90")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nvrtc():
+    try:
+        cuda._nvrtc()
+    except OSError:
+        pytest.skip("no libnvrtc on this machine")
+
+
+@pytest.mark.parametrize("mode", sorted(hop_probe.MODES.values()))
+def test_hop_probe_compiles(mode):
+    assert len(_cubin("hop_probe.cu", {"MODE": mode})) > 1000
+
+
+@pytest.mark.parametrize("split, publisher, marks", [(1, 0, 0), (2, 1, 1)])
+def test_dataflow_compiles(split, publisher, marks):
+    assert len(_cubin("dataflow.cu", {"SLOTS": dataflow.SLOTS, "SLOT": dataflow.SLOT, "KMAX": 7168, "SPLIT": split,
+                                      "RB": dataflow.RB, "VECS": dataflow.VECS, "PUBLISHER": publisher,
+                                      "MARKS": marks})) > 1000
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_stream_probe_compiles(mode):
+    assert len(_cubin("stream_probe.cu", {"MODE": mode, "THREADS": 256, "UNROLL": 4, "STAGES": 4,
+                                          "CHUNK": 8192})) > 1000
