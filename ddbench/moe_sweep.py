@@ -121,6 +121,8 @@ def stage_fns(backend: str, case: Case, w, mcfg, dtype):
             return moe.moe_ref_w2(acts[r], *case.routes[r], w, dtype)
         return {"layer": layer, "w13": w13, "w2": w2}
 
+    if backend == "marlin":
+        return _marlin_stage_fns(case, w, mcfg, it)
     from ddbench.kernels import moe_triton as mt
 
     if mcfg.gemv:
@@ -140,6 +142,29 @@ def stage_fns(backend: str, case: Case, w, mcfg, dtype):
     def w2():
         r = next(it)
         return mt.triton_w2(mids[r], aligned[r], case.routes[r][1], w, mcfg, dtype)
+    return {"layer": layer, "w13": w13, "w2": w2}
+
+
+def _marlin_stage_fns(case: Case, w, tiles: dict, it):
+    """The CUDA Marlin kernel's stages (kernels.moe_marlin): w13 includes the planning launch;
+    w2 the top-k weights and the sum over k."""
+    from ddbench.kernels import moe_marlin as mm
+
+    k = case.routes[0][0].shape[1]
+    plans = [mm.plan(ids, w.n_experts, 8 * tiles["ng"]) for ids, _ in case.routes]
+    acts = [mm.marlin_w13(x, p, k, w, tiles) for x, p in zip(case.xs, plans)]
+
+    def layer():
+        r = next(it)
+        return mm.fused_moe_marlin(case.xs[r], *case.routes[r], w, tiles)
+
+    def w13():
+        r = next(it)
+        return mm.marlin_w13(case.xs[r], mm.plan(case.routes[r][0], w.n_experts, 8 * tiles["ng"]), k, w, tiles)
+
+    def w2():
+        r = next(it)
+        return mm.marlin_w2(acts[r], plans[r], case.routes[r][1], w, tiles)
     return {"layer": layer, "w13": w13, "w2": w2}
 
 
@@ -170,7 +195,7 @@ def _gemv_stage_fns(case: Case, w, mcfg, dtype, it):
 def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backends: str | None,
         graphs: bool, check: bool, reps: int, warmup: int, torch_max_tokens: int | None,
         tiles: Path | None, hot: int, hot_share: float, device: str, name: str | None,
-        seed: int, out: Path, override: list[str] | None) -> Path:
+        seed: int, out: Path, override: list[str] | None, kernel: str = "auto") -> Path:
     from ddbench.cli import parse_int_list
 
     dev = pick_device(device)
@@ -178,6 +203,11 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
     backend_list = parse_choices(backends or ("torch,triton" if on_gpu else "torch"), BACKENDS, "--backends")
     routing_list = parse_choices(routing, ROUTINGS, "--routing")
     token_list = parse_int_list(tokens or DEFAULT_TOKENS, "--tokens")
+    from ddbench.kernels.moe import KERNELS, MARLIN_MIN_TOKENS
+
+    parse_choices(kernel, [k for k in KERNELS if k != "torch"], "--kernel")
+    if "," in kernel:
+        raise UserError(f"--kernel takes one of {', '.join(k for k in KERNELS if k != 'torch')}, got {kernel!r}")
     if any(t <= 0 for t in token_list):
         raise UserError(f"--tokens must be positive, got {min(token_list)}")
     if reps <= 0 or warmup < 0:
@@ -228,7 +258,11 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
                         config=cfg.to_dict(), copy_gbps=copy_gbps, gemm_tflops=gemm_tf, notes=notes,
                         expert_bytes=w.expert_bytes(), torch_max_tokens=torch_max_tokens,
                         rotations=n_rot, tiles=str(tiles) if tiles else "default", backends=backend_list,
-                        routings=routing_list, bytes_moved="touched experts' packed weights + scales, x in, out")
+                        routings=routing_list, bytes_moved="touched experts' packed weights + scales, x in, out",
+                        kernel=kernel, kernel_rule=(f"auto: marlin (kernels.moe_marlin, tiles by T*k/E:"
+                                                    f" moe_marlin.TILES) for T >= {MARLIN_MIN_TOKENS} where it fits"
+                                                    " (bf16, sm_90+), else the Triton default table"
+                                                    " (kernels.moe_triton.TILE_TABLE)"))
     name = name or f"moe_sweep_tp{cfg.tp}_{timestamp()}"
     n_sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 132
     rows = []
@@ -245,12 +279,10 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
                 for backend in backend_list:
                     if backend == "torch" and t > torch_max_tokens:
                         continue
-                    mcfg = None
+                    mcfg, kname, ktile = None, "torch", ""
                     if backend == "triton":
-                        from ddbench.kernels.moe_triton import default_config
-                        mcfg = default_config(t, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden,
-                                              n_sms, table)
-                    fns = stage_fns(backend, case, w, mcfg, dtype)
+                        kname, ktile, mcfg = _pick_kernel(kernel, t, cfg, w, dev, dtype, n_sms, table)
+                    fns = stage_fns("marlin" if kname == "marlin" else backend, case, w, mcfg, dtype)
                     err = None
                     if ref is not None:
                         y = fns["layer"]().float()
@@ -265,7 +297,8 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
                             st = timing.bench(fns[stage], device=dev, warmup=min(warmup, 1 if backend == "torch" else warmup),
                                               reps=n, graph=graph, graph_ops=n_rot)
                             row = _row(cfg, backend, stage, rt, t, case, roof[stage], st, copy_gbps, gemm_tf,
-                                       err if stage == "layer" else None, mcfg, str(dtype).replace("torch.", ""))
+                                       err if stage == "layer" else None, kname, ktile,
+                                       str(dtype).replace("torch.", ""))
                             writer.write(row)
                             rows.append(row)
                 progress.advance(task)
@@ -274,18 +307,36 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
     return writer.path
 
 
-def _row(cfg, backend, stage, routing, t, case, roof, st, copy_gbps, gemm_tf, err, mcfg, dtype) -> dict:
+def _pick_kernel(kernel: str, t: int, cfg, w, dev, dtype, n_sms: int, table):
+    """(kernel name, tile string, tiles: the marlin tile dict or a MoeTritonConfig) of one point."""
+    from ddbench.kernels.moe import resolve_moe_kernel
+    from ddbench.kernels.moe_triton import MoeTritonConfig, default_config
+
+    try:
+        name, tiles = resolve_moe_kernel(t, cfg.top_k, w, dev, kernel, dtype=dtype)
+    except ValueError as e:
+        raise UserError(f"--kernel {kernel}: {e}") from None
+    if name == "marlin":
+        return name, "ng{ng}s{stages}w{warps}k{splits}".format(**tiles), tiles
+    mcfg = MoeTritonConfig(**tiles)
+    if table is not None:   # --tiles replaces the built-in table
+        mcfg = default_config(t, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden, n_sms, table)
+        name = "gemv" if mcfg.gemv else "triton"
+    tile = (f"{'gemv-' if mcfg.gemv else ''}m{mcfg.block_m}n{mcfg.block_n13}/"
+            f"{mcfg.block_n2}k{mcfg.block_k13}/{mcfg.block_k2}s{mcfg.split_k}"
+            f"w{mcfg.num_warps}p{mcfg.num_stages}{'a' if mcfg.atomic_out else ''}"
+            f"{'c' if mcfg.acc_scale else ''}{'j' if mcfg.join else ''}")
+    return name, tile, mcfg
+
+
+def _row(cfg, backend, stage, routing, t, case, roof, st, copy_gbps, gemm_tf, err, kernel, tile, dtype) -> dict:
     from ddbench.kernels.moe import expected_experts_touched
 
     us = st.median_us
     gbps = roof["bytes"] / (us * 1e-6) / 1e9
     tf = roof["flops"] / (us * 1e-6) / 1e12
-    tiles = "" if mcfg is None else (f"{'gemv-' if mcfg.gemv else ''}m{mcfg.block_m}n{mcfg.block_n13}/"
-                                     f"{mcfg.block_n2}k{mcfg.block_k13}/{mcfg.block_k2}s{mcfg.split_k}"
-                                     f"w{mcfg.num_warps}p{mcfg.num_stages}{'a' if mcfg.atomic_out else ''}"
-                                     f"{'c' if mcfg.acc_scale else ''}{'j' if mcfg.join else ''}")
     return {
-        "backend": backend, "stage": stage, "tp": cfg.tp, "preset": cfg.name, "tokens": t, "routing": routing,
+        "backend": backend, "kernel": kernel, "tile": tile, "stage": stage, "tp": cfg.tp, "preset": cfg.name, "tokens": t, "routing": routing,
         "experts_touched": round(case.touched, 2),
         "expected_experts_touched": round(expected_experts_touched(t, cfg.n_experts, cfg.top_k), 2),
         "bytes_moved": int(roof["bytes"]), "flops": int(roof["flops"]),
@@ -296,7 +347,7 @@ def _row(cfg, backend, stage, routing, t, case, roof, st, copy_gbps, gemm_tf, er
         "floor_bytes_us": round(roof["bytes"] / (copy_gbps * 1e9) * 1e6, 3),
         "floor_compute_us": round(roof["flops"] / (gemm_tf * 1e12) * 1e6, 3),
         "copy_gbps": round(copy_gbps, 1), "gemm_tflops": round(gemm_tf, 2),
-        "rel_err": "" if err is None else f"{err:.3e}", "dtype": dtype, "tiles": tiles, "reps": st.n,
+        "rel_err": "" if err is None else f"{err:.3e}", "dtype": dtype, "reps": st.n,
     }
 
 

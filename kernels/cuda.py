@@ -132,3 +132,15 @@ class Kernel:
         cfg = _Config((gx, gy, 1), (threads, 1, 1), shared, torch.cuda.current_stream().cuda_stream,
                       ctypes.pointer(attr), 1 if pdl else 0)
         _check(_driver().cuLaunchKernelEx(ctypes.byref(cfg), self.fn, params, None), self.name)
+
+
+def occupancy(kernel: Kernel, threads: int, shared: int) -> int:
+    """Programs of `kernel` one SM holds at once with `threads` threads and `shared` bytes of
+    dynamic shared memory (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
+    if shared > kernel.shared:
+        _check(_driver().cuFuncSetAttribute(kernel.fn, _MAX_DYNAMIC_SHARED, shared), kernel.name)
+        kernel.shared = shared
+    n = ctypes.c_int()
+    _check(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), kernel.fn, threads,
+                                                                 ctypes.c_size_t(shared)), kernel.name)
+    return n.value

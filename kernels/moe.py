@@ -57,33 +57,91 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
     return ids.to(torch.int32), w
 
 
+KERNELS = ("auto", "marlin", "triton", "gemv", "torch")
+# "auto": the CUDA Marlin kernel (kernels.moe_marlin) from this many tokens on where it fits the
+# call (bf16, sm_90+), below it and elsewhere the Triton default (moe_triton.TILE_TABLE: the
+# CUDA-core gemv at one token). Measured crossover (docs/notes/moe.md; H200, K2.6 TP-8 shard,
+# uniform routing, CUDA graphs): T=1 gemv 24.3 us, marlin 25.4; from T=2 on marlin is faster.
+MARLIN_MIN_TOKENS = 2
+
+
+def resolve_moe_kernel(tokens: int, top_k: int, w: MarlinMoE, device, kernel: str = "auto", *,
+                       dtype: torch.dtype = torch.bfloat16, stream_rows: int = 1) -> tuple[str, dict]:
+    """Which MoE kernel a call of `tokens` tokens runs, and its tiles: (name, tile dict).
+
+    kernel: "auto" (the measured rule: MARLIN_MIN_TOKENS), "marlin" (kernels.moe_marlin),
+    "triton" (kernels.moe_triton's tl.dot kernel), "gemv" (kernels.moe_gemv, CUDA cores or
+    sorted 16-row mma blocks), "torch" (fused_moe_ref)."""
+    from dataclasses import asdict
+
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown MoE kernel {kernel!r}; choose {', '.join(KERNELS)}")
+    device = torch.device(device)
+    if kernel == "torch":
+        return "torch", {}
+    marlin_ok = (device.type == "cuda" and dtype == torch.bfloat16
+                 and torch.cuda.get_device_capability(device) >= (9, 0) and _marlin_shapes_ok(w))
+    if kernel == "marlin" or (kernel == "auto" and marlin_ok and tokens >= MARLIN_MIN_TOKENS):
+        if not marlin_ok:
+            raise ValueError("the marlin MoE kernel needs bf16 on an sm_90+ GPU and kernels.moe_marlin.fits shapes")
+        from ddbench.kernels.moe_marlin import resolve_tiles
+
+        return "marlin", resolve_tiles(tokens, top_k, w, device)
+    from ddbench.kernels import moe_triton as mt
+
+    sms = mt.sm_count(device)
+    if kernel == "auto":
+        cfg = _default_config(tokens, top_k, w, device, stream_rows)
+        return ("gemv" if cfg.gemv else "triton"), asdict(cfg)
+    gemv_rows = [(b, f) for b, f in mt.TILE_TABLE if f.get("gemv")]
+    rows = gemv_rows if kernel == "gemv" else [(b, f) for b, f in mt.TILE_TABLE if not f.get("gemv")]
+    per_expert = tokens * top_k / w.n_experts
+    fields = next((f for b, f in rows if per_expert <= b), rows[-1][1])
+    cfg = mt.default_config(tokens, top_k, w.n_experts, w.inter, w.hidden, sms, table=[(float("inf"), fields)])
+    return kernel, asdict(cfg)
+
+
+def _marlin_shapes_ok(w: MarlinMoE) -> bool:
+    from ddbench.kernels import moe_marlin
+
+    return (w.group_size % 32 == 0 and w.inter // w.group_size >= 2 and w.hidden // w.group_size >= 2
+            and w.hidden % 128 == 0 and w.inter % 64 == 0 and w.n_experts <= moe_marlin.MAXE)
+
+
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MarlinMoE,
               backend: str = "torch", x_half: torch.Tensor | None = None, sum_k: bool = True,
-              stream_rows: int = 1) -> torch.Tensor:
-    """The MoE GEMM; `backend` is 'torch' (reference) or 'triton'. Two options of the
-    CUDA-core path only (triton backend where `uses_gemv`; x_half is ignored elsewhere):
-    x_half, x already in that path's activation format (`kernels.moe_gemv.half_rows(x)`: fp16),
-    saves its first launch; sum_k=False returns the k weighted rows per token, fp32
-    `[T*k, H]` (row t*k + j), for the caller to sum (saves its last launch). stream_rows:
-    tokens a stream in x (the triton backend's tiles: `moe_triton.default_config`)."""
-    if not sum_k and not (backend == "triton" and uses_gemv(topk_ids.shape[0], topk_ids.shape[1], w, x.device)):
-        raise ValueError("fused_moe(sum_k=False) needs the triton backend's CUDA-core path (uses_gemv)")
-    if backend == "torch":
-        return fused_moe_ref(x, topk_ids, topk_weights, w)
+              stream_rows: int = 1, *, kernel: str = "auto") -> torch.Tensor:
+    """The MoE GEMM; `backend` is 'torch' (reference) or 'triton' (the GPU kernels, chosen by
+    `kernel`: see `resolve_moe_kernel`). Two options of the CUDA-core path only (kernel gemv;
+    x_half is ignored elsewhere): x_half, x already in that path's activation format
+    (`kernels.moe_gemv.half_rows(x)`: fp16), saves its first launch; sum_k=False returns the k
+    weighted rows per token, fp32 `[T*k, H]` (row t*k + j), for the caller to sum (saves its
+    last launch). stream_rows: tokens a stream in x (`moe_triton.default_config`)."""
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"unknown MoE backend {backend!r}; choose torch or triton")
+    name, tiles = "torch", {}
     if backend == "triton":
-        from ddbench.kernels.moe_triton import check_inputs, fused_moe_triton
+        name, tiles = resolve_moe_kernel(topk_ids.shape[0], topk_ids.shape[1], w, x.device, kernel, dtype=x.dtype,
+                                         stream_rows=stream_rows)
+    if not sum_k and name != "gemv":
+        raise ValueError("fused_moe(sum_k=False) needs the gemv kernel (uses_gemv)")
+    if name == "torch":
+        return fused_moe_ref(x, topk_ids, topk_weights, w)
+    if name == "marlin":
+        from ddbench.kernels.moe_marlin import fused_moe_marlin
 
-        cfg = _default_config(topk_ids.shape[0], topk_ids.shape[1], w, x.device, stream_rows)
-        if cfg.gemv and (x_half is not None or not sum_k):
-            from ddbench.kernels.moe_gemv import fused_moe_gemv
-            from ddbench.kernels.moe_triton import sm_count
+        return fused_moe_marlin(x, topk_ids, topk_weights, w, tiles)
+    from ddbench.kernels.moe_triton import MoeTritonConfig, check_inputs, fused_moe_triton, sm_count
 
-            check_inputs(x, topk_ids, topk_weights, w, cfg)
-            if x_half is not None and (x_half.shape != x.shape or x_half.dtype != torch.float16):
-                raise ValueError(f"x_half must be fp16 {list(x.shape)}, got {x_half.dtype} {tuple(x_half.shape)}")
-            return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device), x_half, sum_k)
-        return fused_moe_triton(x, topk_ids, topk_weights, w, cfg)
-    raise ValueError(f"unknown MoE backend {backend!r}; choose torch or triton")
+    cfg = MoeTritonConfig(**tiles)
+    if cfg.gemv and (x_half is not None or not sum_k):
+        from ddbench.kernels.moe_gemv import fused_moe_gemv
+
+        check_inputs(x, topk_ids, topk_weights, w, cfg)
+        if x_half is not None and (x_half.shape != x.shape or x_half.dtype != torch.float16):
+            raise ValueError(f"x_half must be fp16 {list(x.shape)}, got {x_half.dtype} {tuple(x_half.shape)}")
+        return fused_moe_gemv(x, topk_ids, topk_weights, w, cfg, sm_count(x.device), x_half, sum_k)
+    return fused_moe_triton(x, topk_ids, topk_weights, w, cfg)
 
 
 def _default_config(tokens: int, top_k: int, w: MarlinMoE, device, stream_rows: int = 1):
@@ -92,10 +150,11 @@ def _default_config(tokens: int, top_k: int, w: MarlinMoE, device, stream_rows: 
     return default_config(tokens, top_k, w.n_experts, w.inter, w.hidden, sm_count(device), stream_rows=stream_rows)
 
 
-def uses_gemv(tokens: int, top_k: int, w: MarlinMoE, device) -> bool:
-    """Whether the triton backend runs `tokens` tokens on the CUDA-core path (kernels.moe_gemv),
-    the one that takes `fused_moe(..., x_half=)`."""
-    return _default_config(tokens, top_k, w, device).gemv
+def uses_gemv(tokens: int, top_k: int, w: MarlinMoE, device, *, kernel: str = "auto",
+              dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `fused_moe(backend="triton", kernel=kernel)` runs `tokens` tokens on the CUDA-core
+    path (kernels.moe_gemv), the one that takes `fused_moe(..., x_half=, sum_k=False)`."""
+    return resolve_moe_kernel(tokens, top_k, w, device, kernel, dtype=dtype)[0] == "gemv"
 
 
 def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

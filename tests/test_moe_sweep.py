@@ -43,7 +43,7 @@ def test_triton_backend_interpreter_with_check(tmp_path):
     # top-2, so the same tokens a expert as tiny's 16 experts top-4 (the same three tile paths)
     small = ["-o", "hidden=128", "-o", "n_experts=8", "-o", "top_k=2"]
     r = runner.invoke(app, ["moe-sweep", "--device", "cpu", "--backends", "triton", "--tokens", "1,6,48",
-                            "--tp", "8", "--check", "--routing", "skewed", "--name", "t1", "--out", str(tmp_path),
+                            "--tp", "8", "--check", "--routing", "skewed", "--hot", "4", "--name", "t1", "--out", str(tmp_path),
                             *small, *FAST])
     assert r.exit_code == 0, r.output
     assert "interpreter" in r.output
@@ -54,8 +54,10 @@ def test_triton_backend_interpreter_with_check(tmp_path):
     # 8 experts, top-2: T=1 one row a block, T=6 (1.5 a expert) 16-row sorted blocks, both
     # the CUDA-core kernels (fp16 activations); T=48 (12 a expert) the tl.dot kernel (fp32 here)
     assert len(lay) == 3 and err[1] < 2e-3 and err[6] < 2e-3 and err[48] < 1e-4
-    assert lay.loc[1, "tiles"].startswith("gemv-m1n") and lay.loc[6, "tiles"].startswith("gemv-m16")
-    assert lay.loc[48, "tiles"].startswith("m32")
+    assert lay.loc[1, "tile"].startswith("gemv-m1n") and lay.loc[6, "tile"].startswith("gemv-m16")
+    assert lay.loc[48, "tile"].startswith("m32")
+    assert list(lay["kernel"]) == ["gemv", "gemv", "triton"]
+    assert "marlin" in json.loads((tmp_path / "t1.json").read_text())["kernel_rule"]
     assert set(df[df.tokens == 1].stage) >= {"layer", "w13", "w2"}
 
 
@@ -68,6 +70,8 @@ def test_triton_backend_interpreter_with_check(tmp_path):
     (["--preset", "tiny", "-o", "moe_inter=96"], "multiple of 64"),
     (["--preset", "nope"], "unknown preset"),
     (["--hot-share", "1.5"], "hot-share"),
+    (["--kernel", "cutlass"], "unknown cutlass"),
+    (["--kernel", "marlin,triton"], "--kernel takes one"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, args, message):
     r = runner.invoke(app, ["moe-sweep", "--device", "cpu", "--out", str(tmp_path / "o"), *FAST, *args])
@@ -87,8 +91,7 @@ def test_tiles_file_and_report_plots(tmp_path):
     r = runner.invoke(app, ["report", str(out), "--out", str(tmp_path / "rep")])
     assert r.exit_code == 0, r.output
     names = sorted(p.name for p in (tmp_path / "rep").glob("*.png"))
-    assert any(n.endswith("_time.png") for n in names) and any(n.endswith("_relcost.png") for n in names)
-    assert any(n.endswith("_gbps.png") for n in names)
+    assert any(n.endswith("_time.png") for n in names)
     bad = tmp_path / "bad.json"
     bad.write_text('[{"max_per_expert": 1, "block_q": 3}]')
     r = runner.invoke(app, ["moe-sweep", "--device", "cpu", "--tiles", str(bad), "--out", str(out), *FAST])

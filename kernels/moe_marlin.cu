@@ -1,0 +1,358 @@
+// W4A16 MoE on Marlin-packed INT4 experts, weights as the mma's A operand (kernels/moe_marlin.py).
+//
+// Three launches a layer, no host syncs:
+//   moe_plan  one program: counts each expert's (token, slot) assignments, pads each expert to
+//             blocks of CH = 8 NG rows and writes the sorted assignments, each block's expert
+//             and row count, and the number of blocks (read by the GEMMs, never by the host);
+//   moe_w13   x [T, H] -> act [rows, I] (sorted rows): SiLU(gate) * up;
+//   moe_w2    act -> out [T, H] bf16: each row times its top-k weight, summed over the k slots.
+// Work items: w13 (block, gate/up block pair p, K split s), w2 (block, pair of 64-column
+// Marlin blocks p). Every warp of the grid takes items i = warp, warp + warps, ... (a
+// persistent loop over a count read from memory) and streams its weights through a private
+// ring of STAGES stages in shared memory (cp.async, evict-first): each lane copies and reads
+// back only its own 16-byte words, scales and activation pairs, so the ring needs no barrier.
+//
+// Marlin word [kt, nb*128 + lane*4 + tile], lane = 4g + t, holds the nibbles (k, n) of the
+// 16x16 tile (16kt, 64nb + 16tile): 0 (2t, g) 1 (2t+8, g) 2 (2t, g+8) 3 (2t+8, g+8)
+// 4 (2t+1, g) 5 (2t+9, g) 6 (2t+1, g+8) 7 (2t+9, g+8). With the tile transposed as an
+// m16n8k16 A operand (rows n, columns k), lane (g, t) needs a0a1 = (n g, k 2t..2t+1) =
+// nibbles 0,4; a2a3 = (g+8, 2t..) = 2,6; a4a5 = (g, 2t+8..) = 1,5; a6a7 = (g+8, 2t+8..) = 3,7.
+// LOP3 with 0x43004300 turns nibbles (i, i+4) (bits 4i and 16+4i after a shift) into the
+// bf16 pair 128 + q, and one bf16x2 subtract of 136 gives q - 8 exactly. The B operand is 8
+// tokens (rows of x, or of act for w2): lane (g, t) holds token g's k pairs 2t and 2t+8. The
+// fp32 product of one scale group (32 K rows = one stage) is scaled per row n in fp32.
+//
+// Determinism: a K split writes fp32 partials and the last of an item's splits to finish (an
+// atomic ticket) sums them in split order; w2's k slots are summed by the last of a token's
+// k items in slot order. Tickets are reset by their last user, so buffers stay zero.
+//
+// Compile-time: NG (8-token groups an item), STAGES, WARPS (a program), G (group size), K
+// dims H (hidden), I (intermediate), TOPK.
+#include "common.cuh"
+
+#define CH (8 * NG)
+#define THREADS (WARPS * 32)
+#define STAGE_U4 (6 + NG)                     // per lane and stage: 4 word, 2 scale, NG x-pair vectors
+#define MAXE 1024
+
+__device__ __forceinline__ unsigned long long evict_first() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ void cp16_ef(unsigned dst, const void* src, unsigned long long pol) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void cp16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp4z(unsigned dst, const void* src, bool valid) {   // zeros when !valid
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+// nibbles of q as the four bf16x2 A registers (q - 8 each)
+__device__ __forceinline__ void dequant(unsigned q, unsigned a[4]) {
+    unsigned p[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const unsigned s = q >> (4 * i);
+        asm("lop3.b32 %0, %1, 0x000f000f, 0x43004300, 0xea;" : "=r"(p[i]) : "r"(s));
+        asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(p[i]) : "r"(p[i]), "r"(0x43084308u));
+    }
+    a[0] = p[0]; a[1] = p[2]; a[2] = p[1]; a[3] = p[3];
+}
+__device__ __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1, bool zero) {
+    const float z = 0.f;
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%10, %11, %12, %13};"
+                 : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1),
+                   "f"(zero ? z : c[0]), "f"(zero ? z : c[1]), "f"(zero ? z : c[2]), "f"(zero ? z : c[3]));
+}
+
+// ------------------------------------------------------------------------------------ planning
+
+extern "C" __global__ void __launch_bounds__(1024, 1)
+moe_plan(const int* ids, int n, int n_experts, int* sorted, int* block_expert, int* block_rows, int* n_blocks)
+{
+    __shared__ int cnt[MAXE], start[MAXE], wsum[32];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    for (int e = tid; e < n_experts; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += blockDim.x) atomicAdd(&cnt[ids[i]], 1);
+    __syncthreads();
+    const int c = tid < n_experts ? cnt[tid] : 0, nb = (c + CH - 1) / CH;
+    int inc = nb;                                           // inclusive scan of blocks over experts
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+        const int v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+    }
+    if (lane == 31) wsum[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        int v = lane < blockDim.x / 32 ? wsum[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+            const int u = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += u;
+        }
+        wsum[lane] = v;
+    }
+    __syncthreads();
+    const int excl = inc - nb + (warp ? wsum[warp - 1] : 0);
+    if (tid < n_experts) {
+        start[tid] = excl * CH;
+        for (int b = 0; b < nb; b++) {
+            block_expert[excl + b] = tid;
+            block_rows[excl + b] = min(CH, c - b * CH);
+        }
+        cnt[tid] = 0;                                       // now the fill cursor
+    }
+    if (tid == blockDim.x - 1) *n_blocks = excl + nb;
+    __syncthreads();
+    for (int i = tid; i < n; i += blockDim.x) {
+        const int e = ids[i];
+        sorted[start[e] + atomicAdd(&cnt[e], 1)] = i;
+    }
+}
+
+// ------------------------------------------------------------------------------------ streaming
+
+// acc[j][tile][ng][4] += rows n of Marlin blocks nb0 + j*nb_step (j = 0, 1) of expert e over
+// stages [st0, st1) (32 K rows each), times the B rows xrow[ng] (bf16, K contiguous)
+template <int KDIM, int NDIM>
+__device__ __forceinline__ void stream(float (&acc)[2][4][NG][4], uint4* ring, const unsigned* w, const unsigned short* s,
+                                       int e, int nb0, int nb_step, int st0, int st1,
+                                       const unsigned short* const (&xrow)[NG], const bool (&xval)[NG], int ngv,
+                                       unsigned long long pol)
+{
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const unsigned* wl = w + (long)e * (KDIM / 16) * (2 * NDIM) + lane * 4;
+    const unsigned short* sl = s + (long)e * (KDIM / G) * NDIM + g * 8;
+    auto issue = [&](int st) {
+        uint4* slot = ring + (st % STAGES) * STAGE_U4 * 32 + lane;
+        if (st < st1) {
+            const int kt = 2 * st;
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int nb = nb0 + j * nb_step;
+                cp16_ef(smem_addr(slot + (2 * j) * 32), wl + (long)kt * (2 * NDIM) + nb * 128, pol);
+                cp16_ef(smem_addr(slot + (2 * j + 1) * 32), wl + (long)(kt + 1) * (2 * NDIM) + nb * 128, pol);
+                cp16(smem_addr(slot + (4 + j) * 32), sl + (long)(kt * 16 / G) * NDIM + nb * 64);
+            }
+#pragma unroll
+            for (int ng = 0; ng < NG; ng++) {
+                const unsigned dst = smem_addr(slot + (6 + ng) * 32);
+                const unsigned short* xr = xrow[ng] + 32 * st + 2 * t;
+#pragma unroll
+                for (int i = 0; i < 4; i++) cp4z(dst + 4 * i, xr + 8 * i, xval[ng]);   // k 2t, 2t+8, 2t+16, 2t+24
+            }
+        }
+        cp_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; i++) issue(st0 + i);
+    for (int st = st0; st < st1; st++) {
+        issue(st + STAGES - 1);
+        cp_wait<STAGES - 1>();
+        const uint4* slot = ring + (st % STAGES) * STAGE_U4 * 32 + lane;
+        uint4 xv[NG];
+#pragma unroll
+        for (int ng = 0; ng < NG; ng++) xv[ng] = slot[(6 + ng) * 32];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const uint4 w0 = slot[(2 * j) * 32], w1 = slot[(2 * j + 1) * 32], sc = slot[(4 + j) * 32];
+            const unsigned wq0[4] = {w0.x, w0.y, w0.z, w0.w}, wq1[4] = {w1.x, w1.y, w1.z, w1.w};
+            const unsigned sq[4] = {sc.x, sc.y, sc.z, sc.w};
+#pragma unroll
+            for (int tile = 0; tile < 4; tile++) {
+                unsigned a0[4], a1[4];
+                dequant(wq0[tile], a0);
+                dequant(wq1[tile], a1);
+                const float slo = bf16_lo(sq[tile]), shi = bf16_hi(sq[tile]);
+#pragma unroll
+                for (int ng = 0; ng < NG; ng++) {
+                    if (ng < ngv) {
+                        float c[4];
+                        mma(c, a0, xv[ng].x, xv[ng].y, true);
+                        mma(c, a1, xv[ng].z, xv[ng].w, false);
+                        float* d = acc[j][tile][ng];
+                        d[0] = fmaf(c[0], slo, d[0]);
+                        d[1] = fmaf(c[1], slo, d[1]);
+                        d[2] = fmaf(c[2], shi, d[2]);
+                        d[3] = fmaf(c[3], shi, d[3]);
+                    }
+                }
+            }
+        }
+    }
+    cp_wait<0>();
+}
+
+__device__ __forceinline__ void zero(float (&acc)[2][4][NG][4]) {
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int f = 0; f < 4; f++)
+#pragma unroll
+            for (int ng = 0; ng < NG; ng++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[j][f][ng][i] = 0.f;
+}
+
+__device__ __forceinline__ float silu_mul(float gte, float up) { return gte / (1.f + __expf(-gte)) * up; }
+
+// ------------------------------------------------------------------------------------ w13
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+moe_w13(const unsigned short* x,                                  // bf16 [T, H]
+        const unsigned* w, const unsigned short* s,               // Marlin [E, H/16, 4I], scales [E, H/G, 2I]
+        const int* sorted, const int* block_expert, const int* block_rows, const int* n_blocks,
+        int splits, int rows_max, float* part,                    // fp32 [splits, rows_max, 2I] (splits > 1)
+        int* tickets,                                             // [blocks, I/64], zero
+        unsigned short* act)                                      // bf16 [rows_max, I] (sorted rows)
+{
+    extern __shared__ uint4 smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    uint4* ring = smem + warp * STAGES * STAGE_U4 * 32;
+    const unsigned long long pol = evict_first();
+    constexpr int P = I / 64, NST = H / 32;
+    const int total = *n_blocks * P * splits, per = (NST + splits - 1) / splits;
+    for (int item = blockIdx.x * WARPS + warp; item < total; item += gridDim.x * WARPS) {
+        const int sp = item % splits, p = item / splits % P, blk = item / (splits * P);
+        const int e = block_expert[blk], rows = block_rows[blk], ngv = (rows + 7) / 8;
+        const unsigned short* xrow[NG];
+        bool xval[NG];
+#pragma unroll
+        for (int ng = 0; ng < NG; ng++) {
+            const int r = ng * 8 + g;
+            xval[ng] = r < rows;
+            xrow[ng] = x + (xval[ng] ? (long)(sorted[blk * CH + r] / TOPK) * H : 0);
+        }
+        float acc[2][4][NG][4];
+        zero(acc);
+        const int st0 = sp * per, st1 = min(NST, st0 + per);
+        stream<H, 2 * I>(acc, ring, w, s, e, p, P, st0, st1, xrow, xval, ngv, pol);
+        if (splits == 1) {
+#pragma unroll
+            for (int f = 0; f < 4; f++)
+#pragma unroll
+                for (int ng = 0; ng < NG; ng++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const int r = ng * 8 + 2 * t + (i & 1), col = p * 64 + 16 * f + g + 8 * (i >> 1);
+                        if (r < rows)
+                            act[(long)(blk * CH + r) * I + col] = to_bf16(silu_mul(acc[0][f][ng][i], acc[1][f][ng][i]));
+                    }
+            continue;
+        }
+        float* mine = part + (long)sp * rows_max * (2 * I);
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int f = 0; f < 4; f++)
+#pragma unroll
+                for (int ng = 0; ng < NG; ng++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const int r = ng * 8 + 2 * t + (i & 1), col = j * I + p * 64 + 16 * f + g + 8 * (i >> 1);
+                        if (r < rows) mine[(long)(blk * CH + r) * (2 * I) + col] = acc[j][f][ng][i];
+                    }
+        __threadfence();
+        __syncwarp();
+        int last = 0;
+        if (lane == 0) {
+            int* tk = tickets + blk * P + p;
+            last = atomicAdd(tk, 1) == splits - 1;
+            if (last) *tk = 0;
+        }
+        if (!__shfl_sync(0xffffffffu, last, 0)) continue;
+        __threadfence();
+        for (int r = 0; r < rows; r++)
+            for (int c = lane; c < 64; c += 32) {
+                const long at = (long)(blk * CH + r) * (2 * I) + p * 64 + c;
+                float gs = 0.f, us = 0.f;
+                for (int q = 0; q < splits; q++) {
+                    gs += ld_f32(part + (long)q * rows_max * (2 * I) + at);
+                    us += ld_f32(part + (long)q * rows_max * (2 * I) + at + I);
+                }
+                act[(long)(blk * CH + r) * I + p * 64 + c] = to_bf16(silu_mul(gs, us));
+            }
+    }
+}
+
+// ------------------------------------------------------------------------------------ w2
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+moe_w2(const unsigned short* act,                                 // bf16 [rows_max, I] (sorted rows)
+       const unsigned* w, const unsigned short* s,                // Marlin [E, I/16, 2H], scales [E, I/G, H]
+       const int* sorted, const int* block_expert, const int* block_rows, const int* n_blocks,
+       const float* topk_w,                                       // fp32 [T*k]
+       float* ypart,                                              // fp32 [T*k, H]
+       int* tickets,                                              // [T, H/128], zero
+       unsigned short* out)                                       // bf16 [T, H]
+{
+    extern __shared__ uint4 smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    uint4* ring = smem + warp * STAGES * STAGE_U4 * 32;
+    const unsigned long long pol = evict_first();
+    constexpr int P = H / 128, NST = I / 32;
+    const int total = *n_blocks * P;
+    for (int item = blockIdx.x * WARPS + warp; item < total; item += gridDim.x * WARPS) {
+        const int p = item % P, blk = item / P;
+        const int e = block_expert[blk], rows = block_rows[blk], ngv = (rows + 7) / 8;
+        const unsigned short* xrow[NG];
+        bool xval[NG];
+#pragma unroll
+        for (int ng = 0; ng < NG; ng++) {
+            const int r = ng * 8 + g;
+            xval[ng] = r < rows;
+            xrow[ng] = act + (xval[ng] ? (long)(blk * CH + r) * I : 0);
+        }
+        float acc[2][4][NG][4];
+        zero(acc);
+        stream<I, H>(acc, ring, w, s, e, 2 * p, 1, 0, NST, xrow, xval, ngv, pol);
+        const int my = lane < rows ? sorted[blk * CH + lane] : 0;   // lane r: row r's assignment
+#pragma unroll
+        for (int ng = 0; ng < NG; ng++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int r = ng * 8 + 2 * t + (i & 1);
+                const int asg = __shfl_sync(0xffffffffu, my, r & 31);
+                if (r < rows) {
+                    const float wt = topk_w[asg];
+#pragma unroll
+                    for (int j = 0; j < 2; j++)
+#pragma unroll
+                        for (int f = 0; f < 4; f++)
+                            ypart[(long)asg * H + (2 * p + j) * 64 + 16 * f + g + 8 * (i >> 1)] = acc[j][f][ng][i] * wt;
+                }
+            }
+        __threadfence();
+        __syncwarp();
+        int last = 0;
+        if (lane < rows) {
+            int* tk = tickets + (my / TOPK) * P + p;
+            last = atomicAdd(tk, 1) == TOPK - 1;
+            if (last) *tk = 0;
+        }
+        unsigned mask = __ballot_sync(0xffffffffu, last);
+        if (mask) __threadfence();
+        while (mask) {
+            const int r = __ffs(mask) - 1;
+            mask &= mask - 1;
+            const int tok = __shfl_sync(0xffffffffu, my, r) / TOPK;
+#pragma unroll
+            for (int c = lane; c < 128; c += 32) {
+                float sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < TOPK; j++) sum += ld_f32(ypart + (long)(tok * TOPK + j) * H + p * 128 + c);
+                out[(long)tok * H + p * 128 + c] = to_bf16(sum);
+            }
+        }
+    }
+}

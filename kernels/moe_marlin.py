@@ -1,0 +1,220 @@
+"""W4A16 MoE on Marlin-packed INT4 experts in CUDA (`kernels/moe_marlin.cu`), the weights as the
+mma's 16-row A operand and up to 8 tokens of one expert as its 8-column B operand, so 1-8
+tokens an expert waste no tensor-core rows.
+
+`fused_moe_marlin(x, topk_ids, topk_weights, w)` computes what `kernels.moe.fused_moe_ref`
+computes in three launches and no host syncs (CUDA-graph safe):
+
+1. `moe_plan` (one program): the T*k assignments sorted by expert, each expert padded to
+   blocks of CH = 8*NG rows; the number of blocks stays on the GPU;
+2. `moe_w13`: one work item a (block, 64 gate + 64 up rows, K split), taken by the warps of
+   a persistent grid; SiLU(gate) * up in the epilogue (a split-K item's partials are summed,
+   in split order, by the last split to finish);
+3. `moe_w2`: one work item a (block, 128 output columns); each row times its top-k weight,
+   and the last of a token's k items sums its k rows in slot order and writes bf16.
+
+`plan_ref` is the planning in torch (runs on the CPU) and `work_split` the host's choice of
+tiles; `tiles_for` picks them by tokens per expert (TILES), `fits` says whether a call
+qualifies (CUDA sm_90+, bf16 x, group size a multiple of 32 with at least two groups, H a
+multiple of 128, I of 64, at most 1024 experts).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MAXE = 1024            # experts the planning program takes (one thread each)
+STAGE_BYTES = 512      # per 16-byte vector a lane holds in a stage: 32 lanes x 16 bytes
+MAX_SPLITS = 32
+# (max tokens per expert T*k/E, NG 8-token groups an item, STAGES, WARPS a program); first match.
+# H200, K2.6 TP-8 shard, uniform, CUDA graphs (scripts/gpu/moe_marlin_check.py): T=64 NG 1/2/4
+# 338/375/657 us, T=512 770/678/966, T=4096 4489/3559/3382
+TILES: list[tuple[float, int, int, int]] = [
+    (2.5, 1, 4, 4),
+    (21.4, 2, 4, 4),
+    (float("inf"), 4, 4, 4),
+]
+
+
+def fits(x: torch.Tensor, topk_ids: torch.Tensor, w) -> bool:
+    """Whether `fused_moe_marlin` takes these arguments."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == w.hidden
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and w.group_size % 32 == 0 and w.inter // w.group_size >= 2 and w.hidden // w.group_size >= 2
+            and w.hidden % 128 == 0 and w.inter % 64 == 0 and w.n_experts <= MAXE
+            and topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0])
+
+
+def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
+    """{"ng", "stages", "warps"} of the first TILES row whose bound holds T*k/E."""
+    per_expert = tokens * top_k / n_experts
+    _, ng, stages, warps = next(r for r in (table or TILES) if per_expert <= r[0])
+    return {"ng": ng, "stages": stages, "warps": warps}
+
+
+def shared_bytes(tiles: dict) -> int:
+    """A program's ring: warps x stages x (4 word + 2 scale + NG activation vectors) x 512 bytes."""
+    return tiles["warps"] * tiles["stages"] * (6 + tiles["ng"]) * STAGE_BYTES
+
+
+def max_blocks(assignments: int, n_experts: int, ch: int) -> int:
+    """Bound on the padded blocks of `assignments` rows over n_experts: cdiv(n, CH) + min(E, n)."""
+    return -(-assignments // ch) + min(n_experts, assignments)
+
+
+def work_split(tokens: int, top_k: int, n_experts: int, inter: int, hidden: int, warps_total: int) -> int:
+    """w13's K splits: enough items (blocks touched at most min(E, T*k), I/64 row pairs each)
+    for every warp of the grid, at most MAX_SPLITS and at most one split per 32-row stage pair."""
+    items = min(n_experts, tokens * top_k) * (inter // 64)
+    return max(1, min(MAX_SPLITS, hidden // 64, warps_total // items))
+
+
+def plan_ref(topk_ids: torch.Tensor, n_experts: int, ch: int):
+    """The planning in torch, any device: (sorted int32 `[max_blocks*CH]` (assignment t*k + j,
+    ascending within an expert; -1 in padding), block_expert, block_rows int32 `[max_blocks]`
+    (-1 / 0 past the last block), n_blocks int32 `[1]`). The CUDA `moe_plan` writes the same
+    except the order of assignments inside an expert (any) and the padding (unwritten)."""
+    ids = topk_ids.reshape(-1).long()
+    n = ids.numel()
+    nmax = max_blocks(n, n_experts, ch)
+    counts = torch.bincount(ids, minlength=n_experts)
+    nblk = (counts + ch - 1) // ch
+    first = torch.cumsum(nblk, 0) - nblk                                   # [E] first block
+    order = torch.argsort(ids, stable=True)
+    rank = torch.arange(n, device=ids.device) - (torch.cumsum(counts, 0) - counts)[ids[order]]
+    sorted_ids = torch.full((nmax * ch,), -1, dtype=torch.int32, device=ids.device)
+    sorted_ids[first[ids[order]] * ch + rank] = order.to(torch.int32)
+    total = int(nblk.sum())
+    blk_expert = torch.repeat_interleave(torch.arange(n_experts, device=ids.device), nblk)
+    within = torch.arange(total, device=ids.device) - first[blk_expert]
+    block_expert = torch.full((nmax,), -1, dtype=torch.int32, device=ids.device)
+    block_rows = torch.zeros(nmax, dtype=torch.int32, device=ids.device)
+    block_expert[:total] = blk_expert.to(torch.int32)
+    block_rows[:total] = torch.clamp(counts[blk_expert] - within * ch, max=ch).to(torch.int32)
+    return sorted_ids, block_expert, block_rows, torch.tensor([total], dtype=torch.int32, device=ids.device)
+
+
+def emulate_a_fragment(word: torch.Tensor) -> torch.Tensor:
+    """The kernel's dequant of one lane's Marlin words (int32 `[32]`, lanes 4g + t) read back as
+    the 16x16 A matrix (rows n, columns k) of m16n8k16 by PTX's fragment layout (values q, no
+    zero point): the CPU check that the A-operand mapping in moe_marlin.cu is the tile's
+    transpose."""
+    a = torch.zeros(16, 16, dtype=torch.int64)
+    w = word.to(torch.int64) & 0xFFFFFFFF
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        p = [((w[lane] >> (4 * i)) & 0xF, (w[lane] >> (16 + 4 * i)) & 0xF) for i in range(4)]   # lop3 of q >> 4i
+        regs = [p[0], p[2], p[1], p[3]]                                      # a0a1, a2a3, a4a5, a6a7
+        for r, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+            a[row, col], a[row, col + 1] = regs[r]
+    return a
+
+
+# ---------------------------------------------------------------- the CUDA launches
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str, ng: int, stages: int, warps: int, group: int, hidden: int, inter: int, top_k: int,
+            device: torch.device):
+    from ddbench.kernels.cuda import Kernel
+    return Kernel("moe_marlin.cu", name, {"NG": ng, "STAGES": stages, "WARPS": warps, "G": group, "H": hidden,
+                                          "I": inter, "TOPK": top_k}, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _grid(name: str, tiles: tuple, group: int, hidden: int, inter: int, top_k: int, device: torch.device) -> int:
+    from ddbench.kernels.cuda import occupancy
+
+    t = dict(tiles)
+    k = _kernel(name, t["ng"], t["stages"], t["warps"], group, hidden, inter, top_k, device)
+    per_sm = occupancy(k, 32 * t["warps"], shared_bytes(t))
+    if per_sm < 1:
+        raise ValueError(f"moe_marlin: tiles {t} do not fit one SM")
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_TICKETS: dict = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 ticket counters (every launch leaves them zero), grown outside graph capture."""
+    have = _TICKETS.get(device)
+    if have is None or have.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moe_marlin: call once outside CUDA-graph capture first (its ticket buffer grows)")
+        _TICKETS[device] = have = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return have
+
+
+def resolve_tiles(tokens: int, top_k: int, w, device: torch.device, tiles: dict | None = None) -> dict:
+    """The full tile dict a call runs: tiles_for's (or `tiles`'), plus w13's `splits`."""
+    t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
+    grid = _grid("moe_w13", tuple(sorted((k, t[k]) for k in ("ng", "stages", "warps"))), w.group_size, w.hidden,
+                 w.inter, top_k, device)
+    t.setdefault("splits", work_split(tokens, top_k, w.n_experts, w.inter, w.hidden, grid * t["warps"]))
+    return t
+
+
+def plan(topk_ids: torch.Tensor, n_experts: int, ch: int):
+    """The CUDA planning: as `plan_ref` (one launch, no host sync)."""
+    if n_experts > MAXE:
+        raise ValueError(f"moe_marlin plans at most {MAXE} experts, got {n_experts}")
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    n, dev = ids.numel(), ids.device
+    nmax = max_blocks(n, n_experts, ch)
+    sorted_ids = torch.empty(nmax * ch, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nmax, dtype=torch.int32, device=dev)
+    block_rows = torch.empty(nmax, dtype=torch.int32, device=dev)
+    n_blocks = torch.empty(1, dtype=torch.int32, device=dev)
+    # the plan program's CH is NG's; any NG with 8*NG = ch compiles it (G, H, I, TOPK unused there)
+    _kernel("moe_plan", ch // 8, 2, 1, 32, 128, 64, 1, dev)(1, 1024, 0, [ids, n, n_experts, sorted_ids, block_expert,
+                                                                        block_rows, n_blocks])
+    return sorted_ids, block_expert, block_rows, n_blocks
+
+
+def marlin_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict) -> torch.Tensor:
+    """The w13 GEMM alone (routing from `plan` with CH = 8*tiles['ng']): x bf16 `[T, H]` ->
+    SiLU(gate)*up bf16 `[rows, I]` in the plan's sorted rows."""
+    sorted_ids, block_expert, block_rows, n_blocks = routing
+    h, i, dev = w.hidden, w.inter, x.device
+    splits = tiles["splits"]
+    rows = sorted_ids.numel()
+    act = torch.empty(rows, i, dtype=torch.bfloat16, device=dev)
+    part = torch.empty(splits * rows * 2 * i if splits > 1 else 1, dtype=torch.float32, device=dev)
+    tk = _tickets(dev, block_expert.numel() * (i // 64))
+    key = tuple(sorted((k, tiles[k]) for k in ("ng", "stages", "warps")))
+    k = _kernel("moe_w13", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev)
+    grid = _grid("moe_w13", key, w.group_size, h, i, top_k, dev)
+    k(grid, 32 * tiles["warps"], shared_bytes(tiles),
+      [x.contiguous(), w.w13, w.w13_scale, sorted_ids, block_expert, block_rows, n_blocks, splits, rows, part, tk, act])
+    return act
+
+
+def marlin_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, tiles: dict) -> torch.Tensor:
+    """The w2 GEMM alone, top-k weights and the sum over k included: `marlin_w13`'s output ->
+    bf16 `[T, H]`."""
+    sorted_ids, block_expert, block_rows, n_blocks = routing
+    t, top_k = topk_weights.shape
+    h, i, dev = w.hidden, w.inter, act.device
+    out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    ypart = torch.empty(t * top_k, h, dtype=torch.float32, device=dev)
+    tk = _tickets(dev, t * (h // 128))
+    key = tuple(sorted((k, tiles[k]) for k in ("ng", "stages", "warps")))
+    k = _kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev)
+    grid = _grid("moe_w2", key, w.group_size, h, i, top_k, dev)
+    k(grid, 32 * tiles["warps"], shared_bytes(tiles),
+      [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
+       topk_weights.reshape(-1).float().contiguous(), ypart, tk, out])
+    return out
+
+
+def fused_moe_marlin(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w,
+                     tiles: dict | None = None) -> torch.Tensor:
+    """x bf16 `[T, H]`, routing `[T, k]`, `MarlinMoE` -> bf16 `[T, H]` (as fused_moe_ref)."""
+    if not fits(x, topk_ids, w):
+        raise ValueError(f"moe_marlin does not take x {x.dtype} {tuple(x.shape)} on {x.device} with experts of "
+                         f"H = {w.hidden}, I = {w.inter}, group {w.group_size} (kernels.moe_marlin.fits)")
+    t = resolve_tiles(topk_ids.shape[0], topk_ids.shape[1], w, x.device, tiles)
+    routing = plan(topk_ids, w.n_experts, 8 * t["ng"])
+    act = marlin_w13(x, routing, topk_ids.shape[1], w, t)
+    return marlin_w2(act, routing, topk_weights, w, t)

@@ -1,0 +1,104 @@
+"""Compile, check and time the CUDA Marlin MoE (kernels/moe_marlin.cu) against the Triton kernels
+at the K2.6 TP-8 rank shard (E=384, H=7168, I=256, group 32, top-8), uniform routing, CUDA
+graphs of ROT calls over rotated inputs. Writes moe_marlin_check.csv under the given folder and
+prints a short table last (whole layer, us, % of measured copy bandwidth).
+
+usage: python3 scripts/gpu/moe_marlin_check.py OUT_DIR [T,T,...] [variant,variant,...]
+"""
+from __future__ import annotations
+
+import csv
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from ddbench import timing  # noqa: E402
+from ddbench.kernels import moe_marlin as mm  # noqa: E402
+from ddbench.kernels import moe_triton as mt  # noqa: E402
+from ddbench.kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing  # noqa: E402
+
+ROT = 10
+E, H, I, G, K = 384, 7168, 256, 32, 8
+VARIANTS = {  # name -> marlin tiles, or None for the Triton default (TILE_TABLE)
+    "m1s4": {"ng": 1, "stages": 4, "warps": 4},
+    "m1s6": {"ng": 1, "stages": 6, "warps": 4},
+    "m2s4": {"ng": 2, "stages": 4, "warps": 4},
+    "m4s4": {"ng": 4, "stages": 4, "warps": 4},
+    "m4s3w8": {"ng": 4, "stages": 3, "warps": 8},
+    "triton": None,
+}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else \
+        [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else list(VARIANTS)
+    dev = torch.device("cuda")
+    t0 = time.time()
+    w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
+    copy = timing.copy_bandwidth_gbps(dev)
+    gemm = timing.gemm_tflops(dev)
+    exp_b = w.expert_bytes()
+    print(f"copy {copy:.0f} GB/s, gemm {gemm:.0f} TFLOP/s, weights built in {time.time() - t0:.1f} s", flush=True)
+    rows = []
+    for t in tokens:
+        xs, routes = [], []
+        for r in range(ROT):
+            g = torch.Generator(device=dev).manual_seed(t * 31 + r)
+            xs.append(torch.randn(t, H, generator=g, device=dev).bfloat16())
+            routes.append(synthetic_routing("uniform", t, E, K, device=dev, seed=t * 31 + r))
+        touched = sum(torch.unique(ids).numel() for ids, _ in routes) / ROT
+        floor_us = (touched * exp_b + 2 * t * H * 2) / (copy * 1e9) * 1e6
+        flops = 2 * t * K * 3 * H * I
+        ref = fused_moe_ref(xs[0].float(), *routes[0], w).float()
+        for name in names:
+            spec = VARIANTS[name]
+            if spec is None:
+                cfg = mt.default_config(t, K, E, I, H, mt.sm_count(dev))
+                tiles = f"{'gemv-' if cfg.gemv else ''}m{cfg.block_m}"
+
+                def fn(r, cfg=cfg):
+                    return mt.fused_moe_triton(xs[r], *routes[r], w, cfg)
+            else:
+                tl = mm.resolve_tiles(t, K, w, dev, spec)
+                tiles = "ng{ng}s{stages}w{warps}k{splits}".format(**tl)
+
+                def fn(r, tl=tl):
+                    return mm.fused_moe_marlin(xs[r], *routes[r], w, tl)
+            try:
+                y = fn(0)
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                same = torch.equal(y, fn(0))
+                it = iter(range(10**9))
+                st = timing.bench(lambda: fn(next(it) % ROT), device=dev, warmup=2, reps=20, graph=True, graph_ops=ROT)
+                us = st.median_us
+            except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+                print(f"T={t} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            row = dict(tokens=t, variant=name, tiles=tiles, time_us=round(us, 2), floor_us=round(floor_us, 2),
+                       pct_copy=round(100 * floor_us / us, 1), pct_gemm=round(100 * flops / (us * 1e-6) / 1e12 / gemm, 2),
+                       rel_err=f"{err:.2e}", bitwise_repeat=same, copy_gbps=round(copy), gemm_tflops=round(gemm))
+            rows.append(row)
+            print(row, flush=True)
+    with open(out / "moe_marlin_check.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    print(f"\nwhole layer, us (% of copy bandwidth), copy {copy:.0f} GB/s; total {time.time() - t0:.0f} s")
+    print("T".rjust(5) + "".join(n.rjust(16) for n in names))
+    for t in tokens:
+        cells = []
+        for n in names:
+            r = next((r for r in rows if r["tokens"] == t and r["variant"] == n), None)
+            cells.append((f"{r['time_us']:.1f} ({r['pct_copy']:.0f}%)" if r else "-").rjust(16))
+        print(str(t).rjust(5) + "".join(cells))
+
+
+if __name__ == "__main__":
+    main()
