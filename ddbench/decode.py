@@ -201,6 +201,8 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
                                "comm_us modelled (simulated) or measured (distributed); floor_us = (weight + "
                                "KV bytes a step reads) / measured copy bandwidth")
     total_rows = len(concurrency)
+    # before the writer opens: a model that does not fit leaves no files behind
+    model_bytes = None if distributed else check_fits(cfg, device, max(concurrency), prompt_len + new_tokens + 4)
     with ResultWriter(out, "decode", meta, name=name) as writer, Progress(console=console) as progress:
         task = progress.add_task(f"decode {cfg.name} tp={tp} {mode}", total=total_rows)
         if distributed:
@@ -217,7 +219,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
             from ddbench.engine.parallel import LocalComm, SimComm
 
             comm = SimComm(tp, rank, predict) if tp > 1 else LocalComm()
-            writer.meta["model_bytes"] = check_fits(cfg, device, max(concurrency), prompt_len + new_tokens + 4)
+            writer.meta["model_bytes"] = model_bytes
             t0 = time.perf_counter()
             progress.update(task, description=f"init {cfg.name} tp={tp} rank {rank}")
             try:

@@ -100,18 +100,23 @@ def run(*, preset: str | None, tp: int, rank: int, layers: str, group_size: int 
     if group_size is not None:
         fields["group_size"] = group_size
     dev = pick_device(device)
+    note = None
     if preset is None:
         preset = "k2.6" if dev.type == "cuda" else "tiny"
         if dev.type != "cuda":
-            print("note: no GPU, so the tiny preset (pass --preset k2.6 for the full model: minutes per layer)")
+            note = "note: no GPU, so the tiny preset (pass --preset k2.6 for the full model: minutes per layer)"
     cfg = make_preset(preset, tp=tp, rank=rank, **fields)
     cfg.check_marlin()
     if hf_dir is not None:
+        if note:
+            print(note)
         return write_hf_dir(cfg, Path(hf_dir), seed)
     if (cfg.moe_inter_local * rank) % cfg.group_size:
         raise UserError(f"rank shard start {cfg.moe_inter_local * rank} breaks group size {cfg.group_size}")
     layer_ids = parse_layers(layers, cfg)
     out_dir = ensure_out_dir(out) / f"pack_{cfg.name}_tp{tp}_r{rank}_{timestamp()}"
+    if note:
+        print(note)
     out_dir.mkdir()
     manifest = run_metadata("pack", preset=cfg.name, tp=tp, rank=rank, seed=seed, device=str(dev),
                             group_size=cfg.group_size, config=cfg.to_dict(), layers={},

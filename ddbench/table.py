@@ -9,6 +9,7 @@ instead, so nothing is cut off. Text is plain (no colour, no box), so logs read 
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Callable, Sequence
 
 GAP = "  "
@@ -43,16 +44,19 @@ def render(rows: Sequence[dict], columns: Sequence[str] | None = None, *, key: S
     """Lay out `rows` (dicts) in at most `width` characters -> (lines, shown columns).
 
     `columns`: display order (default: the first row's keys). `key`: columns that always
-    show. `formats`: column -> function(value) -> str (default `fmt_value`). `where` names
-    the file that holds the left-out columns."""
+    show; columns empty in every row are left out. `formats`: column ->
+    function(value) -> str (default `fmt_value`). `where` names the file that holds the
+    left-out columns."""
     columns = list(columns if columns is not None else (rows[0] if rows else []))
     missing = [k for k in key if k not in columns]
     if missing:
         raise ValueError(f"key columns {missing} are not among the columns {columns}")
     formats = formats or {}
     cells = {c: [formats.get(c, fmt_value)(r.get(c)) for r in rows] for c in columns}
+    if rows:  # a column empty in every row says nothing
+        columns = [c for c in columns if any(x != "-" for x in cells[c])]
     widths = {c: max([len(c), *(len(x) for x in cells[c])]) for c in columns}
-    lines = [title] if title else []
+    lines = textwrap.wrap(title, width) if title else []
     chosen = [c for c in columns if c in key]
     used = sum(widths[c] for c in chosen) + len(GAP) * max(0, len(chosen) - 1)
     if chosen and used > width:  # fold: one `column: value` line per cell
