@@ -657,7 +657,6 @@ def load_model(spec: str, mode: str | None = None) -> AllReduceModel:
                      source=f"fit: {path.name} {mode}")
 
 
-
 def print_model_table(models: dict, tokens: list[int], hidden: int = 7168, n_layers: int = 61,
                       dtype_bytes: int = 2, console=None, where: str = "the sidecar") -> None:
     """Each model's parameters and per-op / per-step cost at each token count, fitted to the terminal."""
@@ -688,54 +687,6 @@ def predict(spec: str, tokens: list[int], hidden: int, n_layers: int, dtype: str
 
 
 # ----------------------------------------------------------------------------- plots
-
-def plot(results: dict, out: Path, fmt: str) -> list[tuple[str, Path]]:
-    """busbw vs size; time vs size with the fitted model (one line per run and mode)."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from ddbench.report import save
-
-    runs = results.get("allreduce", [])
-    if not runs:
-        return []
-    fig_bw, ax_bw = plt.subplots(figsize=(8, 5))
-    fig_t, ax_t = plt.subplots(figsize=(8, 5))
-    for df, meta in runs:
-        stem = Path(meta.get("_path", "run")).stem
-        for mode, d in df.groupby("mode"):
-            d = d.sort_values("size_bytes")
-            n = int(d["n_ranks"].iloc[0])
-            label = f"{stem} {mode} ({n} rank{'s' if n > 1 else ''}, {d['backend'].iloc[0]})"
-            if n > 1:
-                ax_bw.plot(d["size_bytes"], d["busbw_gbps"], "o-", ms=3, label=label)
-            else:  # busbw is 0 for one rank: show algbw
-                ax_bw.plot(d["size_bytes"], d["algbw_gbps"], "o--", ms=3, label=label + " algbw")
-            line, = ax_t.plot(d["size_bytes"], d["time_us"], "o", ms=3, label=label)
-            ax_t.fill_between(d["size_bytes"], d["time_us_p20"], d["time_us_p80"],
-                              color=line.get_color(), alpha=0.2)
-            ok = d[d["wrong"] == 0]
-            try:
-                m = fit_model(zip(ok["size_bytes"], ok["time_us"]), n)
-            except UserError:
-                continue
-            xs = np.geomspace(d["size_bytes"].min(), d["size_bytes"].max(), 100)
-            bw = "inf" if math.isinf(m.busbw_gbps) else f"{m.busbw_gbps:.1f}"
-            ax_t.plot(xs, [m.predict_us(s) for s in xs], "--", color=line.get_color(),
-                      label=f"model: {m.lat_us:.1f} us + busbw {bw} GB/s")
-    ax_bw.set(xscale="log", xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
-              title="All-reduce bus bandwidth (busbw = algbw x 2(n-1)/n)")
-    ax_bw.set_xscale("log", base=2)
-    ax_t.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="time per all-reduce (us)",
-             title="All-reduce time (median, p20-p80 band) and latency + bandwidth model")
-    ax_t.set_xscale("log", base=2)
-    for ax in (ax_bw, ax_t):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    return [("All-reduce bus bandwidth vs message size", save(fig_bw, out, "allreduce_busbw", fmt)),
-            ("All-reduce time vs message size, with the latency + bandwidth model",
-             save(fig_t, out, "allreduce_time", fmt))]
-
 
 # ----------------------------------------------------------------------------- rank entry
 

@@ -148,11 +148,16 @@ def report(
     paths: Optional[List[Path]] = typer.Argument(None, help="Result CSVs or folders (default: results/)."),
     out: Path = typer.Option(Path("results/report"), "--out", help="Folder for plots and report.md."),
     fmt: str = typer.Option("png", "--format", help="Plot format: png or svg."),
+    runs: Optional[str] = typer.Option(None, "--runs", help="Runs to report: 'all', or a comma list of "
+                                       "run names (parts of file names) to compare (default: the latest "
+                                       "run of each command)."),
+    results_md: Optional[Path] = typer.Option(None, "--results-md", help="Also write the tables (no plots) "
+                                              "to this Markdown file, e.g. docs/RESULTS.md."),
 ):
-    """Find result CSVs, draw every plot ddbench knows for them, and write report.md."""
+    """Report the latest run of each command (tables + plots) in OUT/report.md."""
     from ddbench.report import run
 
-    run(paths or [Path("results")], out, fmt)
+    run(paths or [Path("results")], out, fmt, runs=runs, results_md=results_md)
 
 
 # Subcommands added by later routines register below, one block each.

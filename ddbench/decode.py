@@ -262,36 +262,3 @@ def print_table(console, rows: list[dict]) -> None:
     from rich.console import Console
 
     Console(width=max(console.width, 150)).print(t)  # all columns, also in a narrow log
-
-
-def plot(results: dict, out: Path, fmt: str) -> list[tuple[str, Path]]:
-    """Stacked per-phase step time per run and concurrency, with the graph step and bytes floor."""
-    import matplotlib.pyplot as plt
-
-    from ddbench.report import save
-
-    runs = results.get("decode", [])
-    if not runs:
-        return []
-    labels, stacks, totals, floors = [], [], [], []
-    for df, meta in runs:
-        for _, r in df.iterrows():
-            labels.append(f"{r['preset']} tp{r['tp']} {r['mode'][:3]}\nc={r['concurrency']}")
-            stacks.append([float(r[f"{p}_us"]) for p in PHASE_COLS])
-            totals.append(float(r["step_total_us"]))
-            floors.append(float(r["floor_us"]) if str(r.get("floor_us")) not in ("", "nan", "None") else None)
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4.5))
-    bottom = [0.0] * len(labels)
-    x = range(len(labels))
-    for k, p in enumerate(PHASE_COLS):
-        vals = [s[k] for s in stacks]
-        ax.bar(x, vals, bottom=bottom, label=p)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.scatter(x, totals, marker="_", s=600, color="black", zorder=3, label="step total (graph + modelled comm)")
-    fx = [i for i, f in zip(x, floors) if f]
-    ax.scatter(fx, [f for f in floors if f], marker="x", color="red", zorder=3, label="bytes floor")
-    ax.set_xticks(list(x), labels, fontsize=7)
-    ax.set_ylabel("time per decode step (us)")
-    ax.set_title("ddbench decode: per-phase step time")
-    ax.legend(fontsize=7)
-    return [("decode: per-phase step time", save(fig, out, "decode_phases", fmt))]

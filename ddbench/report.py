@@ -1,93 +1,431 @@
-"""`ddbench report`: find result CSVs, draw the plots each routine knows, write report.md.
+"""`ddbench report`: the latest run of each command, as tables and plots.
 
-Each result kind (the sidecar's `kind`) maps to a routine module with a function
-`plot(results, out, fmt) -> list[(title, path)]`, where `results` maps every kind found
-to its list of `(DataFrame, metadata)`; a plotter may draw several kinds together (the
-engine beside the SGLang baseline, say).
+By default every folder given is searched for runs (`ddbench.runs.list_runs`) and the
+newest run of each command is reported (with the runs a script made beside it, such as
+one process per concurrency); `--runs all` reports every run, `--runs A,B` the runs whose
+file name contains A or B (to compare them: plot series are labelled by what differs
+between their command lines). A CSV given by path is always reported. Each command gets a
+table of its key numbers, naming the run (file, date, GPU, command line) and marking an
+interrupted run, then its plots. `--results-md` also writes the tables alone, with no
+plots, as a Markdown file (docs/RESULTS.md is generated this way from results/).
 """
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
-import matplotlib
+from ddbench import UserError
+from ddbench.results import atomic_write_text, ensure_out_dir
+from ddbench.runs import MAIN_KIND, Run, differing_args, list_runs, session
 
-matplotlib.use("Agg")
-
-from ddbench import UserError  # noqa: E402
-from ddbench.results import atomic_write_text, ensure_out_dir, read_results  # noqa: E402
-
-# kind -> module that defines plot(); routines register here
-PLOTTERS: dict[str, str] = {
-    "moe_sweep": "ddbench.moe_sweep",
-    "allreduce": "ddbench.allreduce",
-    "tree_bench": "ddbench.tree_bench",
-    "baseline": "ddbench.baseline",
-    "baseline_requests": "ddbench.baseline",
-    "decode": "ddbench.decode",
-    "e2e": "ddbench.e2e",
-}
+ORDER = ("e2e", "decode", "moe-sweep", "allreduce", "tree-bench", "baseline")
+KEY_CONCURRENCY = (1, 10)
 
 
-def load(paths) -> dict[str, list]:
+# ----------------------------------------------------------------------------- selection
+def select(paths, runs_opt: str | None) -> tuple[list[Run], list[Run]]:
+    """-> (every run found, the runs to report)."""
+    found: list[Run] = []
+    explicit: list[Run] = []
+    for p in paths:
+        p = Path(p)
+        rs = list_runs(p)
+        found += rs
+        if p.is_file():
+            if not rs:
+                raise UserError(f"{p} is not a ddbench result CSV (no sidecar kind and not under "
+                                "results/<gpu>/<command>/)")
+            explicit += rs
+    seen = {}
+    for r in found:
+        seen.setdefault(r.csv.resolve(), r)
+    found = sorted(seen.values(), key=lambda r: (*_key(r), str(r.csv)))
+    if runs_opt:
+        if runs_opt == "all":
+            chosen = list(found)
+        else:
+            wanted = [w.strip() for w in runs_opt.split(",") if w.strip()]
+            chosen = [r for r in found if any(w in r.name or w in str(r.csv) for w in wanted)]
+            missing = [w for w in wanted if not any(w in r.name or w in str(r.csv) for r in found)]
+            if missing:
+                raise UserError(f"--runs: no run matches {', '.join(missing)}")
+    elif explicit:
+        chosen = explicit
+    else:
+        chosen = []
+        for r in latest_runs_of(found).values():
+            chosen += session(found, r)
+    keep = {r.csv.resolve() for r in chosen}
+    return found, [r for r in found if r.csv.resolve() in keep]
+
+
+def latest_runs_of(runs: list[Run]) -> dict[str, Run]:
+    """latest_runs over an already-listed set of runs (several folders)."""
+    latest = {}
+    for r in runs:
+        if r.kind == MAIN_KIND[r.command] and (r.command not in latest or _key(r) >= _key(latest[r.command])):
+            latest[r.command] = r
+    return latest
+
+
+def _key(r: Run):
+    return (r.started is not None, r.started.timestamp() if r.started else 0.0)
+
+
+def load(run: Run):
     import pandas as pd
 
-    results: dict[str, list] = {}
-    for csv_path, meta in read_results(paths):
-        kind = meta.get("kind")
-        if not kind:
+    try:
+        return pd.read_csv(run.csv)
+    except (ValueError, OSError):
+        return None  # an empty or unreadable CSV (a run stopped before its first row)
+
+
+# ----------------------------------------------------------------------------- tables
+def md_table(header: list[str], rows: list[list]) -> list[str]:
+    def cell(v):
+        if v is None:
+            return ""
+        if isinstance(v, float):
+            if v != v:
+                return ""
+            return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}" if abs(v) < 1 else f"{v:.1f}"
+        return str(v).replace("|", "\\|")
+
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return out + [""]
+
+
+def run_header(r: Run) -> list[str]:
+    gpu = r.meta.get("gpu_name") or r.meta.get("hardware") or r.gpu
+    state = " **INCOMPLETE (interrupted or unfinished run)**" if r.incomplete else ""
+    commit = f", commit {r.meta['git_commit']}" if r.meta.get("git_commit") else ""
+    lines = [f"- Run `{r.csv}`: {r.date if r.started else 'date not recorded'}, {gpu}{commit}{state}"]
+    if r.meta.get("provenance"):
+        lines.append(f"  - provenance: {r.meta['provenance']}")
+    if r.command_line:
+        lines.append(f"  - command: `{r.command_line}`")
+    if r.meta.get("error"):
+        lines.append(f"  - stopped by: {r.meta['error']}")
+    return lines
+
+
+def _f(v):
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if v != v else v
+
+
+def table_moe(runs) -> list[str]:
+    from ddbench.plots import num, truthy
+
+    rows = []
+    for run, df in runs:
+        if "stage" not in df:
             continue
-        try:
-            df = pd.read_csv(csv_path)
-        except (ValueError, OSError):
-            continue  # empty or unreadable CSV: nothing to draw
-        meta = {**meta, "_path": str(csv_path)}
-        results.setdefault(kind, []).append((df, meta))
-    return results
+        lay = df[df["stage"] == "layer"]
+        if "cuda_graph" in lay and truthy(lay["cuda_graph"]).any():
+            lay = lay[truthy(lay["cuda_graph"])]
+        for _, r in lay.sort_values(["backend", "routing"]).assign(t=num(lay, "tokens")).sort_values("t").iterrows():
+            rows.append([run.name if len(runs) > 1 else None, r.get("backend"), r.get("routing"), int(r["t"]),
+                         _f(r.get("time_us")), _f(r.get("floor_bytes_us")), _f(r.get("pct_of_copy_bw")),
+                         _f(r.get("tflops"))])
+    if not rows:
+        return ["No MoE layer rows.", ""]
+    head = ["backend", "routing", "T", "time (us)", "bytes floor (us)", "% of copy BW", "TFLOP/s"]
+    if len(runs) > 1:
+        return md_table(["run"] + head, rows)
+    return md_table(head, [r[1:] for r in rows])
 
 
-def run(paths, out: Path, fmt: str = "png") -> Path:
+def table_allreduce(runs) -> list[str]:
+    from ddbench.plots import num
+
+    rows = []
+    for run, df in runs:
+        if "size_bytes" not in df:
+            continue
+        for mode, d in df.groupby("mode"):
+            d = d.assign(s=num(d, "size_bytes")).sort_values("s")
+            sizes = sorted(d["s"].unique())
+            pick = [s for i, s in enumerate(sizes) if i % 4 == 0 or s == sizes[-1]]
+            for _, r in d[d["s"].isin(pick)].iterrows():
+                n = int(_f(r.get("n_ranks")) or 1)
+                rows.append([run.name, mode, n, _size(r["s"]), _f(r.get("time_us")), _f(r.get("algbw_gbps")),
+                             _f(r.get("busbw_gbps")) if n > 1 else "n/a (1 GPU)"])
+    if not rows:
+        return ["No all-reduce rows.", ""]
+    return md_table(["run", "mode", "GPUs", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"], rows)
+
+
+def _size(b) -> str:
+    b = float(b)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024 or unit == "GiB":
+            return f"{b:g} {unit}"
+        b /= 1024
+    return str(b)
+
+
+def table_tree(runs) -> list[str]:
+    rows = []
+    for run, df in runs:
+        if "kernel" not in df:
+            continue
+        d = df[df["variant"].isna()] if "variant" in df else df
+        for _, r in d.iterrows():
+            rows.append([run.name if len(runs) > 1 else None, r["kernel"], _i(r.get("streams")), _i(r.get("budget")),
+                         _i(r.get("t")), _i(r.get("prefix")), _i(r.get("heads")), _i(r.get("layers")),
+                         _f(r.get("time_us")), _f(r.get("pct_copy_bw")), _f(r.get("tflops"))])
+    if not rows:
+        return ["No tree-bench rows (a --tune run only).", ""]
+    head = ["kernel", "streams", "budget", "T", "prefix", "heads", "layers", "time (us)", "% of copy BW", "TFLOP/s"]
+    if len(runs) > 1:
+        return md_table(["run"] + head, rows)
+    return md_table(head, [r[1:] for r in rows])
+
+
+def _i(v):
+    v = _f(v)
+    return None if v is None else int(v)
+
+
+def table_decode(runs) -> list[str]:
+    rows = []
+    for run, df in runs:
+        if "concurrency" not in df:
+            continue
+        for _, r in df.iterrows():
+            rows.append([run.name, _i(r.get("concurrency")), _f(r.get("step_us")), _f(r.get("comm_us")),
+                         _f(r.get("step_total_us")), _f(r.get("output_tok_per_s")), _f(r.get("floor_us")),
+                         _f(r.get("floor_ratio")),
+                         *(_f(r.get(f"{p}_us")) for p in ("attention", "moe", "mlp", "lm_head", "other"))])
+    if not rows:
+        return ["No decode rows.", ""]
+    return md_table(["run", "c", "step (us)", "comm (us)", "total (us)", "tok/s", "bytes floor (us)", "x floor",
+                     "attention", "moe", "mlp", "lm_head", "other"], rows)
+
+
+def table_e2e(runs, reference: dict) -> list[str]:
+    from ddbench.plots import E2E_PHASES, e2e_frame, first_col, num
+
+    df = e2e_frame(runs)
+    if df.empty:
+        return ["No e2e rows.", ""]
+    pred = first_col(df, "predicted_tok_per_s")
+    acc = first_col(df, "mean_accepted_len", "mean_accepted", "accepted_mean")
+    experts = first_col(df, "measured_experts", "distinct_experts", "experts_touched")
+    routing = first_col(df, "routing")
+    best = df.dropna(subset=["output_tok_per_s"])
+    best = best.loc[best.groupby(["decoder", "_profile", "concurrency"])["output_tok_per_s"].idxmax()]
+    rows = []
+    for _, r in best.sort_values(["concurrency", "decoder", "_profile"]).iterrows():
+        c = _i(r["concurrency"])
+        ref = max((t for _, t in reference.get(c, [])), default=None)
+        tps = _f(r["output_tok_per_s"])
+        rows.append([r["_run"], c, r["decoder"], "" if r["decoder"] == "ar" else r["_profile"],
+                     r.get(routing) if routing else None,
+                     None if r["decoder"] == "ar" else _i(r.get("budget")), tps,
+                     _f(r.get(pred)) if pred else None, _f(r.get(acc)) if acc else None,
+                     _f(r.get(experts)) if experts else None, _f(r.get("step_total_us")),
+                     f"{tps / ref:.2f}x" if ref and tps else None])
+    head = ["run", "c", "decoder", "profile", "routing", "best budget", "tok/s", "predicted tok/s",
+            "mean accepted", "experts/layer", "step (us)", "vs SGLang"]
+    keep = [i for i, h in enumerate(head) if any(row[i] not in (None, "") for row in rows)]
+    lines = md_table([head[i] for i in keep], [[row[i] for i in keep] for row in rows])
+    # the phases of those steps
+    phases = [p for p in E2E_PHASES if f"{p}_us" in best and num(best, f"{p}_us").notna().any()]
+    if phases:
+        prow = [[_i(r["concurrency"]), "AR" if r["decoder"] == "ar" else f"{r['_profile']} b={_i(r['budget'])}",
+                 *(_f(r.get(f"{p}_us")) for p in phases), _f(r.get("step_total_us"))]
+                for _, r in best.sort_values(["concurrency", "decoder", "_profile"]).iterrows()]
+        lines += ["Step phases (us) at the best budget:", ""]
+        lines += md_table(["c", "step"] + phases + ["total"], prow)
+    return lines
+
+
+def table_baseline(runs) -> list[str]:
+    rows = []
+    for run, df in runs:
+        if run.kind != "baseline" or "output_tok_per_s" not in df:
+            continue
+        for _, r in df.iterrows():
+            rows.append([run.name, r.get("label", run.name), _i(r.get("concurrency")), _f(r.get("output_tok_per_s")),
+                         _f(r.get("median_ttft_ms")), _f(r.get("median_tpot_ms"))])
+    if not rows:
+        return ["No baseline rows.", ""]
+    head = ["run", "label", "c", "output tok/s", "median TTFT (ms)", "median TPOT (ms)"]
+    keep = [i for i, h in enumerate(head) if any(row[i] is not None for row in rows)]
+    return md_table([head[i] for i in keep], [[row[i] for i in keep] for row in rows])
+
+
+def reference_rows(found: list[Run], chosen: dict) -> dict[int, list[tuple[str, float]]]:
+    """{concurrency: [(label, tok/s)]} from the SGLang reference CSVs (source 'reference')
+    and the chosen baseline runs."""
+    import pandas as pd
+
+    ref: dict[int, list] = {}
+    runs = [(r, load(r)) for r in found if r.kind == "baseline"]
+    for r, df in runs:
+        if df is None or not {"concurrency", "output_tok_per_s"} <= set(df.columns):
+            continue
+        is_ref = "source" in df and (df["source"].astype(str) == "reference").any()
+        if not is_ref and r.csv.resolve() not in chosen:
+            continue
+        for _, row in df.iterrows():
+            c, t = _i(row.get("concurrency")), _f(pd.to_numeric(row.get("output_tok_per_s"), errors="coerce"))
+            if c is None or t is None:
+                continue
+            name = str(row.get("label", r.name))
+            if (name, t) not in ref.setdefault(c, []):
+                ref[c].append((name, t))
+    return ref
+
+
+def summary(by_cmd: dict, reference: dict) -> list[str]:
+    """Engine vs SGLang at concurrency 1 and 10."""
+    from ddbench.plots import e2e_frame, num
+
+    dec = {}
+    for run, df in by_cmd.get("decode", []):
+        if "concurrency" in df:
+            for c, t in zip(num(df, "concurrency"), num(df, "output_tok_per_s")):
+                if t == t:
+                    dec[int(c)] = max(dec.get(int(c), 0), t)
+    spec, ar = {}, {}
+    df = e2e_frame(by_cmd.get("e2e", []))
+    if not df.empty:
+        for _, r in df.dropna(subset=["output_tok_per_s"]).iterrows():
+            c = int(r["concurrency"])
+            which = spec if r["decoder"] == "ddtree" else ar
+            if r["output_tok_per_s"] > which.get(c, (0, ""))[0]:
+                which[c] = (r["output_tok_per_s"], r["_profile"] + (f" b={int(r['budget'])}" if r["decoder"] != "ar" else ""))
+    rows = []
+    for c in KEY_CONCURRENCY:
+        ref = max((t for _, t in reference.get(c, [])), default=None)
+        best = max([v for v in (dec.get(c), ar.get(c, (None,))[0], spec.get(c, (None,))[0]) if v], default=None)
+        rows.append([c, ref, dec.get(c), ar.get(c, (None,))[0], spec.get(c, (None, ""))[0], spec.get(c, (None, ""))[1],
+                     f"{best / ref:.2f}x" if ref and best else None])
+    if not any(any(v is not None for v in r[1:5]) for r in rows):
+        return []
+    return ["## Engine vs SGLang", "",
+            "Output tok/s of all streams at each concurrency c, from the runs named in the sections below (their "
+            "command lines say what was measured and what was modelled).", ""] + md_table(
+        ["c", "SGLang reference", "engine decode (AR)", "engine e2e AR", "engine e2e DDTree", "DDTree setting",
+         "best engine / SGLang"], rows)
+
+
+TABLES = {"moe-sweep": table_moe, "allreduce": table_allreduce, "tree-bench": table_tree,
+          "decode": table_decode, "baseline": table_baseline}
+TITLES = {"e2e": "e2e: DDTree speculative decoding end to end", "decode": "decode: autoregressive step",
+          "moe-sweep": "moe-sweep: one MoE layer", "allreduce": "allreduce", "tree-bench": "tree-bench: DDTree kernels",
+          "baseline": "baseline: serving throughput"}
+
+
+def sections(by_cmd: dict, reference: dict) -> dict[str, list[str]]:
+    out = {}
+    for cmd in ORDER:
+        runs = by_cmd.get(cmd)
+        if not runs:
+            continue
+        lines = [f"## {TITLES[cmd]}", ""]
+        for r, _ in runs:
+            lines += run_header(r)
+        lines.append("")
+        lines += table_e2e(runs, reference) if cmd == "e2e" else TABLES[cmd](runs)
+        out[cmd] = lines
+    return out
+
+
+# ----------------------------------------------------------------------------- entry
+def run(paths, out: Path, fmt: str = "png", runs: str | None = None, results_md: Path | None = None) -> Path:
+    from ddbench import plots
+
     if fmt not in ("png", "svg"):
         raise UserError(f"--format {fmt!r}: choose png or svg")
     missing = [str(p) for p in paths if not Path(p).exists()]
     if missing:
         raise UserError(f"no such file or folder: {', '.join(missing)}")
     out = ensure_out_dir(out)
-    results = load(paths)
+    found, chosen = select(paths, runs)
+    by_cmd: dict[str, list] = {}
+    for r in chosen:
+        df = load(r)
+        if df is None:
+            print(f"warning: {r.csv} has no rows")
+            continue
+        by_cmd.setdefault(r.command, []).append((r, df))
+    chosen_paths = {r.csv.resolve() for r in chosen}
+    reference = reference_rows(found, chosen_paths)
+    secs = sections(by_cmd, reference)
+    head = summary(by_cmd, reference)
+
     lines = ["# ddbench report", ""]
-    if not results:
-        lines.append("No result CSVs with a ddbench sidecar were found.")
-    for kind, runs in sorted(results.items()):
-        lines.append(f"- {kind}: {len(runs)} run(s): " + ", ".join(Path(m['_path']).name for _, m in runs))
-    lines.append("")
-    drawn = set()
-    for kind in sorted(results):
-        module = PLOTTERS.get(kind)
-        if module is None or module in drawn:
+    if not by_cmd:
+        lines.append("No ddbench runs were found (CSVs with a sidecar, or under results/<gpu>/<command>/).")
+    lines += head
+    for cmd in ORDER:
+        if cmd not in secs:
             continue
-        drawn.add(module)
-        plot = getattr(importlib.import_module(module), "plot", None)
+        lines += secs[cmd]
+        runs_ = by_cmd[cmd]
+        labels = differing_args([r for r, _ in runs_])
         try:
-            drawn_plots = plot(results, out, fmt) if plot else []
-        except (KeyError, ValueError, TypeError) as e:  # a CSV without the columns its kind needs
-            print(f"warning: could not draw {kind} plots: {type(e).__name__}: {e}")
-            continue
-        for title, path in drawn_plots:
-            lines += [f"## {title}", "", f"![{title}]({Path(path).name})", ""]
+            if cmd == "e2e":
+                drawn = plots.e2e(runs_, labels, out, fmt, reference=reference)
+            elif cmd == "baseline":
+                drawn = plots.baseline(runs_, labels, out, fmt, engine=_engine_series(by_cmd))
+            else:
+                drawn = plots.PLOTS[cmd](runs_, labels, out, fmt)
+        except (KeyError, ValueError, TypeError) as e:  # a CSV without the columns its command writes
+            print(f"warning: could not draw the {cmd} plots: {type(e).__name__}: {e}")
+            drawn = []
+        for title, path in drawn:
+            lines += [f"### {title}", "", f"![{title}]({Path(path).name})", ""]
     report = out / "report.md"
     atomic_write_text(report, "\n".join(lines) + "\n")
     print(f"wrote {report}")
+    if results_md is not None:
+        write_results_md(Path(results_md), head, secs, paths)
     return report
 
 
-def save(fig, out: Path, name: str, fmt: str) -> Path:
-    """Save a matplotlib figure atomically as out/name.fmt and close it."""
-    import matplotlib.pyplot as plt
+def _engine_series(by_cmd) -> list[tuple[str, dict]]:
+    """The engine's best tok/s at each concurrency: decode (AR) and e2e (DDTree)."""
+    from ddbench.plots import e2e_frame, num
 
-    path = Path(out) / f"{name}.{fmt}"
-    tmp = path.with_name(f".{path.name}.partial.{fmt}")
-    fig.tight_layout()
-    fig.savefig(tmp, dpi=150)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    series = []
+    dec = {}
+    for run, df in by_cmd.get("decode", []):
+        if "concurrency" in df:
+            for c, t in zip(num(df, "concurrency"), num(df, "output_tok_per_s")):
+                if t == t:
+                    dec[int(c)] = max(dec.get(int(c), 0.0), float(t))
+    if dec:
+        series.append(("engine decode (AR), latest run", dec))
+    df = e2e_frame(by_cmd.get("e2e", []))
+    if not df.empty:
+        s = df[df["decoder"] == "ddtree"].dropna(subset=["output_tok_per_s"])
+        best = s.groupby("concurrency")["output_tok_per_s"].max()
+        if len(best):
+            series.append(("engine e2e DDTree, best profile and budget", {int(c): float(t) for c, t in best.items()}))
+    return series
+
+
+def write_results_md(path: Path, head: list[str], secs: dict, paths) -> None:
+    where = ", ".join(str(p) for p in paths)
+    lines = ["# Results", "",
+             f"Generated by `ddbench report {where} --results-md {path}` from the latest committed run of each "
+             "command; do not edit by hand (rerun the command). Each section names its run: CSV path, date, "
+             "GPU, command line. Plots: run `ddbench report` and open its report.md.", ""]
+    lines += head
+    for cmd in ORDER:
+        if cmd in secs:
+            lines += secs[cmd]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+

@@ -24,7 +24,6 @@ say nothing about a GPU.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
@@ -388,53 +387,3 @@ def summary(csv_path) -> None:
             print(f"accept+commit {ok} 10 streams, budget {budget:4d}: {r.time_us:6.1f} us (graph={r.cuda_graph})")
         for r in pick("commit", streams=10, budget=budget).itertuples():
             print(f"  commit alone, {int(r.layers)} layer(s): {r.time_us:6.1f} us")
-
-
-def plot(results, out, fmt):
-    """Builder time vs budget; attention % of copy bandwidth vs prefix; accept/commit time."""
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    from ddbench.report import save
-
-    runs = results.get("tree_bench", [])
-    if not runs:
-        return []
-    df = pd.concat([d.assign(run=Path(m["_path"]).stem) for d, m in runs], ignore_index=True)
-    if "variant" in df:
-        df = df[df.variant.isna()]                     # --tune rows are not part of the sweep plots
-    made = []
-    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
-    ax = axes[0]
-    for (run, b), g in df[df.kernel == "build"].groupby(["run", "streams"]):
-        g = g.sort_values("budget")
-        ax.plot(g.budget, g.time_us, marker="o", label=f"{b} streams ({run})")
-    ax.set(xscale="log", yscale="log", xlabel="budget (nodes)", ylabel="time (us)", title="tree builder")
-    ax.legend(fontsize=7)
-    ax = axes[1]
-    att = df[df.kernel == "attn"]
-    for (run, b, h, t), g in att[att.t.isin([1, 17, 65])].groupby(["run", "streams", "heads", "t"]):
-        g = g.sort_values("prefix")
-        ax.plot(g.prefix, g.pct_copy_bw, marker="o", label=f"B={int(b)} H={int(h)} T={int(t)}")
-    ax.axhline(60, color="gray", ls="--", lw=1)
-    ax.set(xscale="log", xlabel="prefix (tokens)", ylabel="% of copy bandwidth (KV bytes)",
-           title="tree-verify MLA attention")
-    ax.legend(fontsize=6, ncol=2)
-    ax = axes[3]
-    for (run, b, h, p), g in att.groupby(["run", "streams", "heads", "prefix"]):
-        g = g.sort_values("t")
-        ax.plot(g.t, g.tflops, marker="o", label=f"B={int(b)} H={int(h)} prefix {int(p)}")
-    ax.set(xscale="log", xlabel="query tokens T (1 = decode, budget + 1 = tree)", ylabel="TFLOP/s",
-           title="attention compute rate vs tree size")
-    ax.legend(fontsize=6, ncol=2)
-    ax = axes[2]
-    small = df[df.kernel.isin(["accept", "accept_commit", "commit"])].fillna({"layers": 0})
-    for (run, k, b, layers), g in small.groupby(["run", "kernel", "streams", "layers"]):
-        g = g.sort_values("budget")
-        lab = f"{k} B={int(b)}" + (f" {int(layers)} layers" if k == "commit" and layers and layers > 1 else "")
-        ax.plot(g.budget, g.time_us, marker=".", label=lab)
-    ax.axhline(20, color="gray", ls="--", lw=1)
-    ax.set(xscale="log", yscale="log", xlabel="budget (nodes)", ylabel="time (us)", title="accept / commit")
-    ax.legend(fontsize=6, ncol=2)
-    made.append(("DDTree kernels (tree-bench)", save(fig, out, "tree_bench", fmt)))
-    return made

@@ -1,0 +1,409 @@
+"""The plots of `ddbench report`, one function per CLI command.
+
+Each takes `runs`, a list of `(Run, DataFrame)` (the latest run of the command, or the runs
+chosen with `--runs`), `labels` ({run name: what differs between the runs}), the output
+folder and format, and returns `[(title, path)]`. Every series is drawn once with one
+legend entry; titles name the run (file, date, GPU) when one run is drawn.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+# the per-phase columns of a step (e2e) and of a decode step; absent ones are skipped
+E2E_PHASES = ("draft", "tree", "verify_attention", "verify_moe", "verify_other", "accept", "comm", "host")
+DECODE_PHASES = ("attention", "moe", "mlp", "lm_head", "other", "comm")
+MAX_LEGEND = 12
+
+
+def num(df: pd.DataFrame, col: str) -> pd.Series:
+    if col not in df:
+        return pd.Series(np.nan, index=df.index)
+    return pd.to_numeric(df[col], errors="coerce")
+
+
+def first_col(df: pd.DataFrame, *names: str) -> str | None:
+    """The first of `names` that is a column of df with any value in it."""
+    for n in names:
+        if n in df and df[n].notna().any():
+            return n
+    return None
+
+
+def truthy(s: pd.Series) -> pd.Series:
+    return s.astype(str).str.lower().isin(("true", "1", "1.0"))
+
+
+def save(fig, out: Path, name: str, fmt: str) -> Path:
+    """Save a figure atomically as out/name.fmt and close it."""
+    path = Path(out) / f"{name}.{fmt}"
+    tmp = path.with_name(f".{path.name}.partial.{fmt}")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def run_title(runs, labels) -> str:
+    """'<file>, <date>, <gpu>' for one run; 'n runs' otherwise."""
+    rs = [r for r, _ in runs]
+    if len(rs) > 3:
+        return f"{len(rs)} runs"
+    bad = ", INCOMPLETE" if any(r.incomplete for r in rs) else ""
+    days = sorted({r.date for r in rs})
+    return f"{', '.join(r.name for r in rs)} ({' to '.join(days[:1] + days[1:][-1:])}, {rs[0].gpu}{bad})"
+
+
+def run_label(run, labels, runs) -> str:
+    """'' when one run is drawn (the title names it), else what sets it apart."""
+    if len(runs) == 1:
+        return ""
+    lab = labels.get(run.name, run.name)
+    return (lab[:57] + "...") if len(lab) > 60 else lab
+
+
+def _legend(ax, outside: bool = False, **kw):
+    handles, names = ax.get_legend_handles_labels()
+    if outside:
+        kw.update(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if handles:
+        ax.legend(handles[:MAX_LEGEND], names[:MAX_LEGEND], fontsize=7, **kw)
+
+
+def _bytes(v, _pos=None) -> str:
+    for unit in ("B", "K", "M", "G"):
+        if v < 1024 or unit == "G":
+            return f"{v:g}{unit}"
+        v /= 1024
+    return f"{v:g}"
+
+
+def _log2_x(ax, sizes: bool = False):
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(LogLocator(base=2, numticks=12))
+    ax.xaxis.set_major_formatter(FuncFormatter(_bytes if sizes else (lambda v, _pos=None: f"{v:g}")))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _join(*parts) -> str:
+    return " ".join(p for p in parts if p)
+
+
+# ----------------------------------------------------------------------------- moe-sweep
+def moe_sweep(runs, labels, out, fmt):
+    """Layer time vs T with the bytes and compute floors; % of copy bandwidth vs T."""
+    curves = []  # (label, df sorted by tokens)
+    floors = None
+    copy = None
+    for run, df in runs:
+        if "stage" not in df or df.empty:
+            continue
+        lay = df[df["stage"] == "layer"].copy()
+        for col in ("tokens", "time_us", "pct_of_copy_bw", "floor_bytes_us", "floor_compute_us", "copy_gbps"):
+            lay[col] = num(lay, col)
+        if "cuda_graph" in lay and truthy(lay["cuda_graph"]).any():
+            lay = lay[truthy(lay["cuda_graph"])]
+        for (be, rt), g in lay.groupby(["backend", "routing"]):
+            curves.append((_join(run_label(run, labels, runs), f"{be} {rt}"), g.sort_values("tokens")))
+        if floors is None and len(lay):
+            floors = lay.groupby("tokens")[["floor_bytes_us", "floor_compute_us"]].min().sort_index()
+            copy = lay["copy_gbps"].dropna().iloc[0] if lay["copy_gbps"].notna().any() else None
+    if not curves:
+        return []
+    r0 = runs[0][0]
+    tp = r0.meta.get("tp", "")
+    where = run_title(runs, labels)
+    made = []
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for lab, g in curves:
+        ax.plot(g["tokens"], g["time_us"], "o-", ms=3, label=lab or "measured")
+    ax.plot(floors.index, floors["floor_bytes_us"], "k--", label="bytes floor (measured copy BW)")
+    ax.plot(floors.index, floors["floor_compute_us"], "k:", label="compute floor (bf16 GEMM)")
+    ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="time per MoE layer (us)",
+           title=f"MoE layer time, TP-{tp} shard\n{where}")
+    _log2_x(ax)
+    ax.grid(True, which="both", alpha=0.3)
+    _legend(ax)
+    made.append(("MoE layer time vs tokens", save(fig, out, "moe_sweep_time", fmt)))
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for lab, g in curves:
+        ax.plot(g["tokens"], g["pct_of_copy_bw"], "o-", ms=3, label=lab or "measured")
+    ax.axhline(100, color="k", ls="--", lw=1, label=f"copy bandwidth{f' ({copy:.0f} GB/s)' if copy else ''}")
+    ax.set(xlabel="tokens T", ylabel="% of copy bandwidth (bytes floor / time)", ylim=(0, 110),
+           title=f"MoE layer: % of copy bandwidth, TP-{tp} shard\n{where}")
+    _log2_x(ax)
+    ax.grid(True, which="both", alpha=0.3)
+    _legend(ax)
+    made.append(("MoE layer % of copy bandwidth vs tokens", save(fig, out, "moe_sweep_pct_copy", fmt)))
+    return made
+
+
+# ----------------------------------------------------------------------------- allreduce
+def allreduce(runs, labels, out, fmt):
+    """busbw vs size for world size > 1 only; time vs size with the latency + bandwidth model."""
+    from ddbench.allreduce import fit_model
+    from ddbench import UserError
+
+    made = []
+    series = []
+    for run, df in runs:
+        if "mode" not in df or df.empty:
+            continue
+        for mode, d in df.groupby("mode"):
+            d = d.assign(**{c: num(d, c) for c in ("size_bytes", "time_us", "time_us_p20", "time_us_p80",
+                                                      "busbw_gbps", "wrong", "n_ranks")})
+            d = d.sort_values("size_bytes")
+            n = int(d["n_ranks"].iloc[0])
+            lab = _join(run_label(run, labels, runs), f"{mode}, {n} GPU{'s' if n > 1 else ''}")
+            series.append((lab, n, d))
+    if not series:
+        return []
+    where = run_title(runs, labels)
+    multi = [s for s in series if s[1] > 1]
+    if multi:
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        for lab, n, d in multi:
+            ax.plot(d["size_bytes"], d["busbw_gbps"], "o-", ms=3, label=lab)
+        ax.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
+               title=f"All-reduce bus bandwidth (algbw x 2(n-1)/n)\n{where}")
+        _log2_x(ax, sizes=True)
+        ax.grid(True, which="both", alpha=0.3)
+        _legend(ax)
+        made.append(("All-reduce bus bandwidth vs size", save(fig, out, "allreduce_busbw", fmt)))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for lab, n, d in series:
+        line, = ax.plot(d["size_bytes"], d["time_us"], "o", ms=3, label=lab)
+        ax.fill_between(d["size_bytes"], d["time_us_p20"], d["time_us_p80"], color=line.get_color(), alpha=0.2)
+        ok = d[d["wrong"] == 0]
+        try:
+            m = fit_model(zip(ok["size_bytes"], ok["time_us"]), n)
+        except (UserError, ValueError):
+            continue
+        xs = np.geomspace(d["size_bytes"].min(), d["size_bytes"].max(), 100)
+        ax.plot(xs, [m.predict_us(s) for s in xs], "--", color=line.get_color(), lw=1)
+    ax.plot([], [], "k--", lw=1, label="fit: latency + size / bandwidth")
+    ax.set(yscale="log", xlabel="message size (bytes)", ylabel="time per all-reduce (us)",
+           title=f"All-reduce time (median, p20-p80 band)\n{where}")
+    _log2_x(ax, sizes=True)
+    ax.grid(True, which="both", alpha=0.3)
+    _legend(ax)
+    made.append(("All-reduce time vs size", save(fig, out, "allreduce_time", fmt)))
+    return made
+
+
+# ----------------------------------------------------------------------------- tree-bench
+def tree_bench(runs, labels, out, fmt):
+    """Tree builder and accept/commit time vs budget; attention % of copy and TFLOP/s vs T."""
+    frames = []
+    for run, df in runs:
+        if "kernel" not in df:
+            continue
+        d = df[df["variant"].isna()] if "variant" in df else df  # --tune rows are not a sweep
+        frames.append(d.assign(_run=run_label(run, labels, runs)))
+    if not frames:
+        return []
+    df = pd.concat(frames, ignore_index=True)
+    for c in ("streams", "budget", "t", "prefix", "heads", "layers", "time_us", "pct_copy_bw", "tflops"):
+        df[c] = num(df, c)
+    where = run_title(runs, labels)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    ax = axes[0]
+    small = df[df["kernel"].isin(["build", "accept", "accept_commit", "commit"])].copy()
+    small["layers"] = small["layers"].fillna(1)
+    for (rl, k, b, ly), g in small.groupby(["_run", "kernel", "streams", "layers"]):
+        g = g.sort_values("budget")
+        ax.plot(g["budget"], g["time_us"], "o-", ms=3,
+                label=_join(rl, f"{k} B={int(b)}" + (f" x{int(ly)} layers" if ly > 1 else "")))
+    ax.set(yscale="log", xlabel="budget (nodes per stream)", ylabel="time (us)",
+           title="tree build, accept, commit")
+    _log2_x(ax)
+    ax.grid(True, which="both", alpha=0.3)
+    _legend(ax)
+    att = df[df["kernel"] == "attn"]
+    # one series per (run, streams, heads, prefix) at most: the largest prefix of each shape
+    if len(att):
+        big = att.groupby(["_run", "streams", "heads"])["prefix"].transform("max")
+        att = att[att["prefix"] == big]
+    for ax, col, ylab in ((axes[1], "pct_copy_bw", "% of copy bandwidth (KV bytes)"),
+                          (axes[2], "tflops", "TFLOP/s")):
+        for (rl, b, h, p), g in att.groupby(["_run", "streams", "heads", "prefix"]):
+            g = g.sort_values("t")
+            ax.plot(g["t"], g[col], "o-", ms=3, label=_join(rl, f"B={int(b)} H={int(h)} prefix {int(p)}"))
+        ax.set(xlabel="query tokens T (1 = decode, budget + 1 = tree)", ylabel=ylab,
+               title=f"tree-verify MLA attention: {ylab.split(' (')[0]}")
+        _log2_x(ax)
+        ax.grid(True, which="both", alpha=0.3)
+        _legend(ax)
+    fig.suptitle(f"tree-bench: {where}", fontsize=10)
+    return [("DDTree kernels (tree-bench)", save(fig, out, "tree_bench", fmt))]
+
+
+# ----------------------------------------------------------------------------- decode
+def _stack(ax, labels_x, rows: pd.DataFrame, phases, total_col, floor_col, total_label, floor_label):
+    x = np.arange(len(labels_x))
+    bottom = np.zeros(len(x))
+    for p in phases:
+        col = f"{p}_us"
+        if col not in rows or not num(rows, col).notna().any():
+            continue
+        vals = num(rows, col).fillna(0).to_numpy()
+        ax.bar(x, vals, bottom=bottom, label=p, width=0.6)
+        bottom += vals
+    if total_col in rows:
+        ax.scatter(x, num(rows, total_col), marker="_", s=900, color="black", zorder=3, label=total_label)
+    if floor_col and floor_col in rows:
+        f = num(rows, floor_col)
+        ax.scatter(x[f.notna().to_numpy()], f.dropna(), marker="x", color="red", zorder=3, label=floor_label)
+    ax.set_xticks(x, labels_x, fontsize=8)
+
+
+def decode(runs, labels, out, fmt):
+    """Stacked per-phase step time per (run, concurrency), with the step total and bytes floor."""
+    rows = []
+    for run, df in runs:
+        if "concurrency" not in df:
+            continue
+        for _, r in df.iterrows():
+            rows.append({**r.to_dict(), "_x": _join(run_label(run, labels, runs), f"c={r['concurrency']}")})
+    if not rows:
+        return []
+    rows = pd.DataFrame(rows)
+    if "comm_us" not in rows:
+        rows["comm_us"] = np.nan
+    fig, ax = plt.subplots(figsize=(min(16, max(8.5, 1.2 * len(rows) + 4)), 4.8))
+    _stack(ax, list(rows["_x"]), rows, DECODE_PHASES, "step_total_us", "floor_us",
+           "step total (graph replay + modelled comm)", "bytes floor")
+    r0 = runs[0][0]
+    ax.set_ylabel("time per decode step (us)")
+    ax.set_title(f"decode step, {r0.meta.get('preset', '')} TP-{r0.meta.get('tp', '')}: phases timed one by one "
+                 f"(bars) vs the whole step\n{run_title(runs, labels)}", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    _legend(ax, outside=True)
+    return [("decode: per-phase step time", save(fig, out, "decode_phases", fmt))]
+
+
+# ----------------------------------------------------------------------------- e2e
+def e2e_frame(runs) -> pd.DataFrame:
+    frames = [df.assign(_run=run.name) for run, df in runs if "decoder" in df]
+    if not frames:
+        return pd.DataFrame()
+    df = pd.concat(frames, ignore_index=True)
+    for c in ("concurrency", "budget", "output_tok_per_s", "step_total_us", "floor_plus_comm_us"):
+        df[c] = num(df, c)
+    prof = pd.Series("", index=df.index, dtype=object)
+    for col in ("acceptance", "profile"):  # the profile where given, else the --acceptance spec
+        if col in df:
+            prof = df[col].where(df[col].notna() & (df[col].astype(object) != ""), prof)
+    df["_profile"] = prof.map(lambda v: "" if v is None or v != v else str(v))
+    return df
+
+
+def e2e(runs, labels, out, fmt, reference=None):
+    """tok/s vs budget per concurrency (model line where predicted, measured points, AR and
+    SGLang as horizontal lines); E[accepted] vs budget per profile; per-phase step stack."""
+    df = e2e_frame(runs)
+    if df.empty:
+        return []
+    where = run_title(runs, labels)
+    made = []
+    pred = first_col(df, "predicted_tok_per_s")
+    acc = first_col(df, "mean_accepted_len", "mean_accepted", "accepted_mean")
+    spec = df[df["decoder"] == "ddtree"]
+    ar = df[df["decoder"] == "ar"]
+    concs = sorted(df["concurrency"].dropna().unique())
+    if len(spec):
+        fig, axes = plt.subplots(1, len(concs), figsize=(6.5 * len(concs), 4.6), squeeze=False)
+        for ax, c in zip(axes[0], concs):
+            s = spec[spec["concurrency"] == c]
+            for prof, g in s.groupby("_profile"):
+                g = g.groupby("budget")[["output_tok_per_s"] + ([pred] if pred else [])].mean().sort_index()
+                line, = ax.plot(g.index, g["output_tok_per_s"], "o" if pred else "o:", label=f"{prof} measured")
+                if pred:
+                    ax.plot(g.index, g[pred], "-", color=line.get_color(), label=f"{prof} model")
+            a = ar[ar["concurrency"] == c]
+            if len(a):
+                ax.axhline(a["output_tok_per_s"].max(), color="gray", ls=":", label="engine AR")
+            for name, tps in (reference or {}).get(int(c), []):
+                ax.axhline(tps, color="black", ls="--", lw=1, label=name)
+            _log2_x(ax)
+            ax.set(xlabel="tree budget (nodes per stream)", ylabel="output tok/s", title=f"c={int(c)}")
+            ax.grid(alpha=0.3)
+            _legend(ax)
+        fig.suptitle(f"e2e: tok/s vs budget\n{where}", fontsize=10)
+        made.append(("e2e: tok/s vs budget", save(fig, out, "e2e_budget", fmt)))
+    if acc and len(spec):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for prof, g in spec.groupby("_profile"):
+            g = num(g, acc).groupby(g["budget"]).mean().sort_index()
+            ax.plot(g.index, g.values, "o-", label=prof)
+        _log2_x(ax)
+        ax.set(xlabel="tree budget (nodes per stream)", ylabel="mean tokens accepted a step",
+               title=f"e2e: E[accepted] vs budget\n{where}")
+        ax.grid(alpha=0.3)
+        _legend(ax)
+        made.append(("e2e: mean accepted length vs budget", save(fig, out, "e2e_accepted", fmt)))
+    # the step of each (decoder/profile, concurrency) at its best budget
+    best = df.dropna(subset=["output_tok_per_s"])
+    best = best.loc[best.groupby(["decoder", "_profile", "concurrency"])["output_tok_per_s"].idxmax()]
+    if len(best):
+        xl = [("AR" if r["decoder"] == "ar" else r["_profile"])
+              + f"\nc={int(r['concurrency'])}" + (f" b={int(r['budget'])}" if r["decoder"] != "ar" else "")
+              for _, r in best.iterrows()]
+        fig, ax = plt.subplots(figsize=(min(16, max(8.5, 1.1 * len(xl) + 4)), 4.8))
+        _stack(ax, xl, best, E2E_PHASES, "step_total_us", "floor_plus_comm_us", "step total",
+               "bytes floor + comm")
+        ax.set_ylabel("time per step (us)")
+        ax.set_title(f"e2e: per-phase step time at the best budget\n{where}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        _legend(ax, outside=True)
+        made.append(("e2e: per-phase step time", save(fig, out, "e2e_phases", fmt)))
+    return made
+
+
+# ----------------------------------------------------------------------------- baseline
+def baseline(runs, labels, out, fmt, engine=None):
+    """Output tok/s vs concurrency: each baseline series, and the engine's best (`engine`:
+    [(name, {concurrency: tok/s})])."""
+    series = []
+    for run, df in runs:
+        if run.kind != "baseline" or not {"concurrency", "output_tok_per_s"} <= set(df.columns):
+            continue
+        d = df.assign(c=num(df, "concurrency"), t=num(df, "output_tok_per_s")).dropna(subset=["c", "t"])
+        key = d["label"].astype(str) if "label" in d else pd.Series(run.name, index=d.index)
+        for name, g in d.groupby(key):
+            g = g.groupby("c")["t"].max().sort_index()
+            series.append((_join(run_label(run, labels, runs), name), "s--", g))
+    for name, pts in engine or []:
+        series.append((name, "o-", pd.Series(pts).sort_index()))
+    if not series:
+        return []
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    allc = set()
+    for name, style, g in series:
+        ax.plot(g.index, g.values, style, label=name)
+        for c, t in g.items():
+            ax.annotate(f"{t:.0f}", (c, t), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+        allc |= set(g.index)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(allc), [f"{c:g}" for c in sorted(allc)])
+    ax.minorticks_off()
+    ax.set(xlabel="concurrency (requests in flight)", ylabel="output tok/s (all requests)",
+           title="Output throughput vs concurrency: SGLang reference and this engine")
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    return [("Output tok/s vs concurrency", save(fig, out, "baseline_throughput", fmt))]
+
+
+PLOTS = {"moe-sweep": moe_sweep, "allreduce": allreduce, "tree-bench": tree_bench, "decode": decode,
+         "e2e": e2e, "baseline": baseline}

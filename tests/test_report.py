@@ -1,0 +1,135 @@
+"""ddbench report over a small results tree: latest run, incomplete runs, tables, plots, RESULTS.md."""
+import json
+import random
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from ddbench import plots
+from ddbench.cli import app
+from ddbench.report import run
+
+
+def write(root, rel, rows, meta=None):
+    p = root / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(p, index=False)
+    if meta is not None:
+        p.with_suffix(".json").write_text(json.dumps({"completed": True, "gpu_name": "NVIDIA H200", **meta}))
+    return p
+
+
+@pytest.fixture
+def tree(tmp_path):
+    rng = random.Random()
+    res = tmp_path / "results"
+
+    def moe_rows(scale):
+        return [{"backend": "triton", "stage": "layer", "tp": 8, "tokens": t, "routing": "uniform",
+                 "time_us": scale * t ** 0.5 * rng.uniform(20, 30), "floor_bytes_us": 5.0 * t, "floor_compute_us": 0.1 * t,
+                 "pct_of_copy_bw": rng.uniform(10, 90), "tflops": rng.uniform(1, 50), "cuda_graph": True,
+                 "copy_gbps": 4200.0} for t in (1, 4, 16, 64)]
+    write(res, "h200/moe-sweep/20261201-100000_old.csv", moe_rows(9.0),
+          {"kind": "moe_sweep", "started_at": "2026-12-01T10:00:00+00:00", "command": "ddbench moe-sweep --tp 8", "tp": 8})
+    write(res, "h200/moe-sweep/20261203-100000_new.csv", moe_rows(1.0),
+          {"kind": "moe_sweep", "started_at": "2026-12-03T10:00:00+00:00",
+           "command": "ddbench moe-sweep --tp 8 --tokens 1,4,16,64", "tp": 8})
+    sizes = [2 ** k for k in range(3, 21, 2)]
+    write(res, "h200/allreduce/20261202-000000_1gpu.csv",
+          [{"size_bytes": s, "time_us": 20 + s / 1e5 * rng.uniform(0.9, 1.1), "time_us_p20": 19.0, "time_us_p80": 30.0,
+            "algbw_gbps": s / 2e4, "busbw_gbps": 0.0, "wrong": 0, "n_ranks": 1, "mode": m, "backend": "nccl"}
+           for m in ("eager", "graph") for s in sizes],
+          {"kind": "allreduce", "started_at": "2026-12-02T00:00:00+00:00", "command": "ddbench allreduce --gpus 1"})
+    write(res, "h200/decode/20261203-000000.csv",
+          [{"preset": "k2.6", "tp": 8, "mode": "simulated", "concurrency": c, "step_us": rng.uniform(3e3, 9e3),
+            "comm_us": 1200.0, "step_total_us": rng.uniform(5e3, 1e4), "output_tok_per_s": rng.uniform(150, 800),
+            "floor_us": 1400.0, "floor_ratio": 2.5, "attention_us": rng.uniform(1e3, 3e3),
+            "moe_us": rng.uniform(2e3, 8e3), "mlp_us": 700.0, "lm_head_us": 90.0, "other_us": 15.0}
+           for c in (1, 10)],
+          {"kind": "decode", "started_at": "2026-12-03T00:00:00+00:00", "command": "ddbench decode", "tp": 8})
+    # a newer decode run, interrupted: a .partial CSV and no sidecar
+    p = write(res, "h200/decode/20261204-000000.csv",
+              [{"preset": "k2.6", "tp": 8, "mode": "simulated", "concurrency": 1, "step_us": 4000.0, "comm_us": 1.0,
+                "step_total_us": 4001.0, "output_tok_per_s": 250.0}])
+    p.rename(p.with_name(p.name + ".partial"))
+    e2e_rows = []
+    for c in (1, 10):
+        e2e_rows.append({"preset": "k2.6", "tp": 8, "label": "engine AR", "decoder": "ar", "acceptance": "none",
+                         "concurrency": c, "budget": 0, "output_tok_per_s": 150.0 * c ** 0.6, "mean_accepted": 1.0,
+                         "step_total_us": 5000.0, "draft_us": 0.0, "verify_moe_us": 2000.0, "comm_us": 1200.0})
+        for prof in ("gsm8k", "mtbench"):
+            for b in (8, 16, 32, 64):
+                e2e_rows.append({"preset": "k2.6", "tp": 8, "label": f"engine DDTree {prof}", "decoder": "ddtree",
+                                 "profile": prof, "acceptance": prof, "routing": "uniform", "concurrency": c,
+                                 "budget": b, "output_tok_per_s": rng.uniform(200, 1600),
+                                 "predicted_tok_per_s": rng.uniform(200, 1600), "mean_accepted": rng.uniform(2, 8),
+                                 "step_total_us": rng.uniform(1e4, 3e4), "draft_us": 2000.0,
+                                 "verify_moe_us": rng.uniform(5e3, 2e4), "comm_us": 1500.0})
+    write(res, "h200/e2e/20261204-010000.csv", e2e_rows,
+          {"kind": "e2e", "started_at": "2026-12-04T01:00:00+00:00", "command": "ddbench e2e --budget 8,16,32,64"})
+    write(res, "baseline/sglang_reference.csv",
+          [{"label": "SGLang ref", "source": "reference", "concurrency": 1, "output_tok_per_s": 138},
+           {"label": "SGLang ref", "source": "reference", "concurrency": 10, "output_tok_per_s": 517}],
+          {"kind": "baseline", "source": "reference"})
+    return res
+
+
+@pytest.fixture
+def legends(monkeypatch):
+    """Every saved figure's legend sizes, by file name."""
+    seen = {}
+    real = plots.save
+
+    def spy(fig, out, name, fmt):
+        seen[name] = [len(ax.get_legend().get_texts()) for ax in fig.axes if ax.get_legend()]
+        return real(fig, out, name, fmt)
+
+    monkeypatch.setattr(plots, "save", spy)
+    return seen
+
+
+def test_report_latest_runs_tables_and_plots(tree, tmp_path, legends):
+    out = tmp_path / "rep"
+    md = tmp_path / "docs" / "RESULTS.md"
+    text = run([tree], out, "png", results_md=md).read_text()
+    assert "20261203-100000_new.csv" in text and "20261201-100000_old" not in text  # the latest MoE run only
+    assert "20261204-000000.csv.partial" in text and "INCOMPLETE" in text          # newest decode: interrupted
+    assert "| c | SGLang reference |" in text and "| 10 | 517 |" in text            # engine vs SGLang table
+    assert "| backend | routing | T |" in text and "n/a (1 GPU)" in text
+    assert "predicted tok/s" in text and "mean accepted" in text
+    assert not (out / "allreduce_busbw.png").exists() and (out / "allreduce_time.png").exists()
+    for name in ("moe_sweep_time", "moe_sweep_pct_copy", "decode_phases", "e2e_budget", "e2e_accepted",
+                 "e2e_phases", "baseline_throughput"):
+        assert (out / f"{name}.png").stat().st_size > 1000, name
+        assert f"({name}.png)" in text
+    assert legends and all(0 < n <= plots.MAX_LEGEND for ns in legends.values() for n in ns), legends
+    assert legends["baseline_throughput"] == [3]  # SGLang, engine decode, engine DDTree
+    results = md.read_text()
+    assert "Generated by `ddbench report" in results and "20261203-100000_new.csv" in results
+    assert ".png" not in results and "| 1 | 138 |" in results
+
+
+def test_report_compares_chosen_runs(tree, tmp_path, legends):
+    text = run([tree], tmp_path / "rep", "png", runs="20261201,20261203-100000").read_text()
+    assert "20261201-100000_old" in text and "20261203-100000_new" in text
+    assert legends["moe_sweep_time"] == [4]  # 2 runs + 2 floors, labelled by what differs
+
+
+def test_report_old_e2e_csv_without_new_columns(tree, tmp_path):
+    p = tree / "h200/e2e/20261204-010000.csv"
+    df = pd.read_csv(p).drop(columns=["profile", "predicted_tok_per_s", "routing"])
+    df.to_csv(p, index=False)
+    text = run([tree], tmp_path / "rep", "png").read_text()
+    assert "predicted tok/s" not in text and "e2e_budget.png" in text and "e2e_accepted.png" in text
+
+
+def test_report_cli_errors(tree, tmp_path):
+    r = CliRunner().invoke(app, ["report", str(tree), "--out", str(tmp_path / "o"), "--runs", "nothing-like-this"])
+    assert r.exit_code == 2 and "no run matches" in r.output
+    r = CliRunner().invoke(app, ["report", str(tree), "--out", str(tmp_path / "o"), "--format", "gif"])
+    assert r.exit_code == 2
+    r = CliRunner().invoke(app, ["report", str(tree), "--out", str(tmp_path / "o"),
+                                 "--results-md", str(tmp_path / "R.md")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "R.md").exists()
