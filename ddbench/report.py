@@ -305,16 +305,31 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
     rows = []
     for c in KEY_CONCURRENCY:
         ref = max((t for _, t in reference.get(c, [])), default=None)
-        best = max([v for v in (dec.get(c), ar.get(c, (None,))[0], spec.get(c, (None,))[0]) if v], default=None)
-        rows.append([c, ref, dec.get(c), ar.get(c, (None,))[0], spec.get(c, (None, ""))[0], spec.get(c, (None, ""))[1],
-                     f"{best / ref:.2f}x" if ref and best else None])
+        ar_best = max([v for v in (dec.get(c), ar.get(c, (None,))[0]) if v], default=None)
+        sp, setting = spec.get(c, (None, ""))
+        rows.append([c, ref, dec.get(c), ar.get(c, (None,))[0], sp, setting,
+                     f"{ar_best / ref:.2f}x" if ref and ar_best else None, f"{sp / ref:.2f}x" if ref and sp else None])
     if not any(any(v is not None for v in r[1:5]) for r in rows):
         return []
-    return ["## Engine vs SGLang", "",
-            "Output tok/s of all streams at each concurrency c, from the runs named in the sections below (their "
-            "command lines say what was measured and what was modelled).", ""] + md_table(
+    notes = []
+    modes = set()
+    for cmd in ("decode", "e2e"):
+        for _, d in by_cmd.get(cmd, []):
+            if "mode" in d:
+                modes |= set(d["mode"].dropna().astype(str))
+    if "simulated" in modes:
+        notes.append("engine rows with mode `simulated` ran one TP rank's shard on one GPU and add a modelled "
+                     "all-reduce time: a projection of a TP-n node, not a measurement of one")
+    if any(s.startswith("synthetic") for _, s in spec.values()):
+        notes.append("DDTree rows with a `synthetic:N` profile assume that acceptance (mean accepted length set "
+                     "by the profile) instead of a trained drafter's")
+    text = ("Output tok/s of all streams at each concurrency c, from the runs named in the sections below "
+            "(their command lines say what was measured). SGLang's figures are the reported reference.")
+    if notes:
+        text += " Caveats: " + "; ".join(notes) + "."
+    return ["## Engine vs SGLang", "", text, ""] + md_table(
         ["c", "SGLang reference", "engine decode (AR)", "engine e2e AR", "engine e2e DDTree", "DDTree setting",
-         "best engine / SGLang"], rows)
+         "AR / SGLang", "DDTree / SGLang"], rows)
 
 
 TABLES = {"moe-sweep": table_moe, "allreduce": table_allreduce, "tree-bench": table_tree,
