@@ -64,13 +64,12 @@ __device__ __forceinline__ void dequant(unsigned q, unsigned a[4]) {
     }
     a[0] = p[0]; a[1] = p[2]; a[2] = p[1]; a[3] = p[3];
 }
-__device__ __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1, bool zero) {
-    const float z = 0.f;
+__device__ __forceinline__ void mma(float d[4], const unsigned a[4], unsigned b0, unsigned b1, const float c[4]) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                  "{%10, %11, %12, %13};"
-                 : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1),
-                   "f"(zero ? z : c[0]), "f"(zero ? z : c[1]), "f"(zero ? z : c[2]), "f"(zero ? z : c[3]));
+                   "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
 // ------------------------------------------------------------------------------------ planning
@@ -161,8 +160,13 @@ __device__ __forceinline__ void stream(float (&acc)[2][4][NG][4], uint4* ring, c
         cp_wait<STAGES - 1>();
         const uint4* slot = ring + (st % STAGES) * STAGE_U4 * 32 + lane;
         uint4 xv[NG];
+        float c0[NG][4];                                    // zero: each group's product starts here
 #pragma unroll
-        for (int ng = 0; ng < NG; ng++) xv[ng] = slot[(6 + ng) * 32];
+        for (int ng = 0; ng < NG; ng++) {
+            xv[ng] = slot[(6 + ng) * 32];
+#pragma unroll
+            for (int i = 0; i < 4; i++) c0[ng][i] = 0.f;
+        }
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const uint4 w0 = slot[(2 * j) * 32], w1 = slot[(2 * j + 1) * 32], sc = slot[(4 + j) * 32];
@@ -178,8 +182,8 @@ __device__ __forceinline__ void stream(float (&acc)[2][4][NG][4], uint4* ring, c
                 for (int ng = 0; ng < NG; ng++) {
                     if (ng < ngv) {
                         float c[4];
-                        mma(c, a0, xv[ng].x, xv[ng].y, true);
-                        mma(c, a1, xv[ng].z, xv[ng].w, false);
+                        mma(c, a0, xv[ng].x, xv[ng].y, c0[ng]);
+                        mma(c, a1, xv[ng].z, xv[ng].w, c);
                         float* d = acc[j][tile][ng];
                         d[0] = fmaf(c[0], slo, d[0]);
                         d[1] = fmaf(c[1], slo, d[1]);

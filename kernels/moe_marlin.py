@@ -28,12 +28,12 @@ MAXE = 1024            # experts the planning program takes (one thread each)
 STAGE_BYTES = 512      # per 16-byte vector a lane holds in a stage: 32 lanes x 16 bytes
 MAX_SPLITS = 32
 # (max tokens per expert T*k/E, NG 8-token groups an item, STAGES, WARPS a program); first match.
-# H200, K2.6 TP-8 shard, uniform, CUDA graphs (scripts/gpu/moe_marlin_check.py): T=64 NG 1/2/4
-# 338/375/657 us, T=512 770/678/966, T=4096 4489/3559/3382
+# H200, K2.6 TP-8 shard, uniform, CUDA graphs (scripts/gpu/moe_marlin_check.py, whole layer, us,
+# NG 1/2/4): T=64 338/374/658, T=128 436/429/780, T=512 755/670/959, T=2048 2372/1829/1988,
+# T=4096 4468/3367/3379
 TILES: list[tuple[float, int, int, int]] = [
-    (2.5, 1, 4, 4),
-    (21.4, 2, 4, 4),
-    (float("inf"), 4, 4, 4),
+    (2.0, 1, 4, 4),
+    (float("inf"), 2, 4, 4),
 ]
 
 
@@ -133,6 +133,10 @@ def _grid(name: str, tiles: tuple, group: int, hidden: int, inter: int, top_k: i
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _key(tiles: dict) -> tuple:
+    return tuple((k, tiles[k]) for k in ("ng", "stages", "warps"))
+
+
 _TICKETS: dict = {}
 
 
@@ -149,7 +153,7 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
 def resolve_tiles(tokens: int, top_k: int, w, device: torch.device, tiles: dict | None = None) -> dict:
     """The full tile dict a call runs: tiles_for's (or `tiles`'), plus w13's `splits`."""
     t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
-    grid = _grid("moe_w13", tuple(sorted((k, t[k]) for k in ("ng", "stages", "warps"))), w.group_size, w.hidden,
+    grid = _grid("moe_w13", _key(t), w.group_size, w.hidden,
                  w.inter, top_k, device)
     t.setdefault("splits", work_split(tokens, top_k, w.n_experts, w.inter, w.hidden, grid * t["warps"]))
     return t
@@ -182,7 +186,7 @@ def marlin_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict) -> t
     act = torch.empty(rows, i, dtype=torch.bfloat16, device=dev)
     part = torch.empty(splits * rows * 2 * i if splits > 1 else 1, dtype=torch.float32, device=dev)
     tk = _tickets(dev, block_expert.numel() * (i // 64))
-    key = tuple(sorted((k, tiles[k]) for k in ("ng", "stages", "warps")))
+    key = _key(tiles)
     k = _kernel("moe_w13", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev)
     grid = _grid("moe_w13", key, w.group_size, h, i, top_k, dev)
     k(grid, 32 * tiles["warps"], shared_bytes(tiles),
@@ -199,7 +203,7 @@ def marlin_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, 
     out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     ypart = torch.empty(t * top_k, h, dtype=torch.float32, device=dev)
     tk = _tickets(dev, t * (h // 128))
-    key = tuple(sorted((k, tiles[k]) for k in ("ng", "stages", "warps")))
+    key = _key(tiles)
     k = _kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev)
     grid = _grid("moe_w2", key, w.group_size, h, i, top_k, dev)
     k(grid, 32 * tiles["warps"], shared_bytes(tiles),

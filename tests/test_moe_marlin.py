@@ -47,7 +47,7 @@ def test_work_split_and_tiles():
     assert mm.work_split(8, 8, 384, 256, 7168, 2112) == 8
     assert mm.work_split(512, 8, 384, 256, 7168, 2112) == 1
     assert mm.tiles_for(1, 8, 384)["ng"] == 1 and mm.tiles_for(512, 8, 384)["ng"] == 2
-    assert mm.tiles_for(4096, 8, 384)["ng"] == 4
+    assert mm.tiles_for(4096, 8, 384)["ng"] == 2
     assert mm.shared_bytes({"ng": 1, "stages": 4, "warps": 4}) == 4 * 4 * 7 * 512
 
 

@@ -8,6 +8,7 @@ usage: python3 scripts/gpu/moe_marlin_check.py OUT_DIR [T,T,...] [variant,varian
 from __future__ import annotations
 
 import csv
+import re
 import sys
 import time
 from pathlib import Path
@@ -23,14 +24,21 @@ from ddbench.kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_rout
 
 ROT = 10
 E, H, I, G, K = 384, 7168, 256, 32, 8
-VARIANTS = {  # name -> marlin tiles, or None for the Triton default (TILE_TABLE)
-    "m1s4": {"ng": 1, "stages": 4, "warps": 4},
-    "m1s6": {"ng": 1, "stages": 6, "warps": 4},
-    "m2s4": {"ng": 2, "stages": 4, "warps": 4},
-    "m4s4": {"ng": 4, "stages": 4, "warps": 4},
-    "m4s3w8": {"ng": 4, "stages": 3, "warps": 8},
-    "triton": None,
-}
+VARIANTS = ["m1", "m1k16", "m2", "m4", "triton"]   # default variants
+
+
+def variant(name: str) -> dict | None:
+    """'m<NG>[k<splits>][s<stages>]' -> marlin tiles (kernels.moe_marlin.resolve_tiles); 'triton' ->
+    None (the Triton default table)."""
+    if name == "triton":
+        return None
+    m = re.fullmatch(r"m(\d)(?:k(\d+))?(?:s(\d+))?", name)
+    if not m:
+        raise SystemExit(f"unknown variant {name!r}")
+    tiles = {"ng": int(m[1]), "stages": int(m[3] or 4), "warps": 4}
+    if m[2]:
+        tiles["splits"] = int(m[2])
+    return tiles
 
 
 def main() -> None:
@@ -38,7 +46,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     tokens = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else \
         [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-    names = sys.argv[3].split(",") if len(sys.argv) > 3 else list(VARIANTS)
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else VARIANTS
     dev = torch.device("cuda")
     t0 = time.time()
     w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
@@ -58,7 +66,7 @@ def main() -> None:
         flops = 2 * t * K * 3 * H * I
         ref = fused_moe_ref(xs[0].float(), *routes[0], w).float()
         for name in names:
-            spec = VARIANTS[name]
+            spec = variant(name)
             if spec is None:
                 cfg = mt.default_config(t, K, E, I, H, mt.sm_count(dev))
                 tiles = f"{'gemv-' if cfg.gemv else ''}m{cfg.block_m}"
@@ -91,12 +99,12 @@ def main() -> None:
         wr.writeheader()
         wr.writerows(rows)
     print(f"\nwhole layer, us (% of copy bandwidth), copy {copy:.0f} GB/s; total {time.time() - t0:.0f} s")
-    print("T".rjust(5) + "".join(n.rjust(16) for n in names))
+    print("T".rjust(5) + "".join(n.rjust(14) for n in names))
     for t in tokens:
         cells = []
         for n in names:
             r = next((r for r in rows if r["tokens"] == t and r["variant"] == n), None)
-            cells.append((f"{r['time_us']:.1f} ({r['pct_copy']:.0f}%)" if r else "-").rjust(16))
+            cells.append((f"{r['time_us']:.1f} ({r['pct_copy']:.0f}%)" if r else "-").rjust(14))
         print(str(t).rjust(5) + "".join(cells))
 
 
