@@ -1,22 +1,31 @@
 """`ddbench baseline`: measure a live SGLang (or OpenAI-compatible) server at concurrency N.
 
 An asyncio + httpx streaming client keeps exactly N requests in flight (N workers, each
-sending its next request as soon as its previous one ends) and measures every request with
-SGLang bench_serving's definitions (DESIGN §6):
+sending its next request as soon as its previous one ends) or, with a request rate, sends
+requests at Poisson arrival times with at most N in flight (bench_serving's
+`--request-rate` with `--max-concurrency`), and measures every request with SGLang
+bench_serving's definitions:
 
 - TTFT: request sent -> first stream event that carries a token.
-- E2E latency: request sent -> last event of the stream (`data: [DONE]`).
+- E2E latency: request sent -> last event of the stream (`data: [DONE]`, or the finish /
+  usage event of a server that ends its stream without `[DONE]`).
 - TPOT = (latency - TTFT) / (completion_tokens - 1), for requests with more than one token.
 - ITL: the gap between two token-bearing events, split evenly over the tokens the later
   event carries (a speculative server sends several tokens per event).
 - throughputs = successful requests / tokens over the level's wall time (first request sent
   -> last request ended); token counts come from the server (`meta_info` on the native
-  `/generate`, `usage` on `/v1/completions`), never from counting chunks.
+  `/generate`, `usage` on `/v1/completions` and `/v1/chat/completions`), never from
+  counting chunks.
 - accept length = sum completion_tokens / sum spec_verify_ct over this run's own requests.
 - prompt tokens: the server's count (`prompt_tokens`), else the prompt's nominal length.
 
-Outputs: a per-request CSV (kind `baseline_requests`), a summary CSV with one row per
-concurrency level (kind `baseline`), and JSON sidecars that carry the server's own info
+An OpenAI server that rejects the non-standard fields (`ignore_eos`,
+`continuous_usage_stats`) with HTTP 400/422 gets each such request again with standard
+fields only, and every later request is sent that way.
+
+Outputs: a per-request CSV (kind `baseline_requests`) with a JSONL beside it that keeps
+each request's ITL list, a summary CSV with one row per concurrency level (kind
+`baseline`), and JSON sidecars that carry the server's own info
 (`/get_server_info`, `/v1/models`). `import_bench_serving` turns a bench_serving
 `--output-file` JSONL into the same summary format; `plot` draws output tok/s vs
 concurrency for baseline, e2e and decode summaries plus TTFT/TPOT distributions.
@@ -35,13 +44,15 @@ from urllib.parse import urlsplit
 
 from ddbench import UserError
 
-APIS = ("sglang", "openai")
-STATS = ("mean", "median", "p90", "p99")
+APIS = ("sglang", "openai", "openai-chat")
+STATS = ("mean", "median", "std", "p90", "p95", "p99")
+# a level with more failed requests than this fraction gets a warning line
+WARN_FAILED_FRACTION = 0.05
 METRICS = ("ttft", "tpot", "itl", "e2e_latency")
 
 # One row per concurrency level; measured, imported and reference rows share these columns.
 SUMMARY_COLUMNS = [
-    "label", "source", "api", "concurrency", "num_prompts", "completed", "failed",
+    "label", "source", "api", "concurrency", "request_rate", "num_prompts", "completed", "failed",
     "input_len", "output_len", "duration_s", "total_input_tokens", "total_output_tokens",
     "req_per_s", "input_tok_per_s", "output_tok_per_s", "total_tok_per_s",
     *[f"{s}_{m}_ms" for m in METRICS for s in STATS],
@@ -124,6 +135,30 @@ class StreamError(Exception):
     """The server's stream broke the protocol or reported an error."""
 
 
+class AllFailed(Exception):
+    """Every request of a concurrency level failed (the CSVs are written all the same)."""
+
+
+def error_kind(error: str) -> str:
+    """'HTTP 500: {...}' -> 'HTTP 500', 'connection error: ReadError: ...' -> 'connection error'."""
+    return error.split(":", 1)[0].strip() or "unknown error"
+
+
+def error_summary(outcomes) -> str:
+    """'3x connection error, 1x HTTP 500' over the failed outcomes, most frequent first."""
+    from collections import Counter
+
+    kinds = Counter(error_kind(o.error) for o in outcomes if not o.ok)
+    return ", ".join(f"{n}x {k}" for k, n in kinds.most_common())
+
+
+@dataclass
+class Fields:
+    """Whether OpenAI requests carry only standard fields; shared by every request of a run,
+    so that once a strict server answered a plain retry, every later request is plain."""
+    plain: bool = False
+
+
 @dataclass
 class Outcome:
     """What one request measured; times in seconds from `perf_counter`."""
@@ -135,6 +170,7 @@ class Outcome:
     completion_tokens: int = 0
     tokens_from: str = "server"  # 'server', or 'requested' when the server sent no counts
     usage_seen: bool = False
+    finished: bool = False  # a finish reason or a final usage event was seen
     ttft: float | None = None
     latency: float | None = None
     itl: list[float] = field(default_factory=list)
@@ -171,18 +207,22 @@ class Outcome:
 
 
 def _payload(api: str, p: Prompt, model: str | None, plain: bool = False) -> tuple[str, dict]:
-    """Endpoint and body. `plain` (openai): only standard OpenAI fields, for servers that
+    """Endpoint and body. `plain` (openai*): only standard OpenAI fields, for servers that
     reject `ignore_eos` / `continuous_usage_stats`."""
     if api == "sglang":
         key = "text" if isinstance(p.prompt, str) else "input_ids"
         return "/generate", {key: p.prompt, "stream": True, "sampling_params": {
             "temperature": 0.0, "max_new_tokens": p.output_len, "ignore_eos": True}}
-    body = {"model": model or "default", "prompt": p.prompt, "max_tokens": p.output_len,
+    body = {"model": model or "default", "max_tokens": p.output_len,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if api == "openai-chat":
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": p.prompt}]
+    else:
+        path, body["prompt"] = "/v1/completions", p.prompt
     if not plain:
         body["ignore_eos"] = True
         body["stream_options"]["continuous_usage_stats"] = True
-    return "/v1/completions", body
+    return path, body
 
 
 def _int(value) -> int | None:
@@ -205,10 +245,20 @@ def _on_sglang_event(o: Outcome, d: dict, now: float) -> None:
     finish = meta.get("finish_reason")
     if isinstance(finish, dict) and finish.get("type") == "abort":
         raise StreamError(f"server aborted the request: {finish.get('message', '')}"[:200])
+    o.finished = o.finished or finish is not None
+
+
+def _choice_text(choice: dict) -> str:
+    """A completions choice's `text`, or a chat chunk's `delta` content (reasoning included)."""
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    return choice.get("text") or ""
 
 
 def _on_openai_event(o: Outcome, d: dict, now: float) -> None:
-    """/v1/completions event: choices[0].text; `usage` per chunk (continuous) or at the end."""
+    """/v1/completions or /v1/chat/completions event: choices[0].text or .delta.content;
+    `usage` per chunk (continuous) or in a final event with no choices."""
     choices = d.get("choices")
     if not isinstance(choices, list):
         raise StreamError("malformed event: no choices list")
@@ -216,10 +266,14 @@ def _on_openai_event(o: Outcome, d: dict, now: float) -> None:
     total = _int(usage.get("completion_tokens"))
     if usage.get("prompt_tokens") is not None:
         o.prompt_tokens = int(usage["prompt_tokens"])
+    if not choices and total is not None:
+        o.finished = True  # the include_usage event that ends an OpenAI stream
     if choices:
-        if choices[0].get("finish_reason") == "abort":
+        finish = choices[0].get("finish_reason")
+        if finish == "abort":
             raise StreamError("server aborted the request (finish_reason abort)")
-        text = choices[0].get("text") or ""
+        o.finished = o.finished or finish is not None
+        text = _choice_text(choices[0])
         if total is not None and total > o.completion_tokens:
             o.tokens(now, total - o.completion_tokens)
         elif text and total is None:
@@ -247,8 +301,22 @@ async def within(coro, timeout: float):
 
 
 async def request_once(client, api: str, base: str, p: Prompt, index: int, timeout: float,
-                       model: str | None = None, plain: bool = False) -> Outcome:
-    """Send one streaming request and measure it; never raises (errors land in `error`)."""
+                       model: str | None = None, fields: Fields | None = None) -> Outcome:
+    """Send one streaming request and measure it; never raises (errors land in `error`).
+
+    OpenAI APIs: a request with the non-standard fields that the server rejects (HTTP 400 or
+    422) is sent again at once with standard fields only; when that one succeeds,
+    `fields.plain` is set and every later request of the run is sent plain."""
+    fields = fields if fields is not None else Fields()
+    o = await _request(client, api, base, p, index, timeout, model, fields.plain)
+    if api != "sglang" and not fields.plain and o.error.startswith(("HTTP 400", "HTTP 422")):
+        o = await _request(client, api, base, p, index, timeout, model, plain=True)
+        fields.plain = fields.plain or o.ok
+    return o
+
+
+async def _request(client, api: str, base: str, p: Prompt, index: int, timeout: float,
+                   model: str | None, plain: bool) -> Outcome:
     o = Outcome(index=index, output_len=p.output_len)
     path, body = _payload(api, p, model, plain)
     on_event = _on_sglang_event if api == "sglang" else _on_openai_event
@@ -278,8 +346,8 @@ async def request_once(client, api: str, base: str, p: Prompt, index: int, timeo
                 if "error" in d:
                     raise StreamError(f"server error: {str(d['error'])[:200]}")
                 on_event(o, d, now)
-        if not done:
-            raise StreamError("stream ended without data: [DONE]")
+        if not (done or o.finished):  # a clean end after a finish reason or usage is complete
+            raise StreamError("stream ended without data: [DONE], a finish reason or usage")
         if o.ttft is None:
             raise StreamError("stream carried no tokens")
 
@@ -288,7 +356,7 @@ async def request_once(client, api: str, base: str, p: Prompt, index: int, timeo
     o.start = time.perf_counter()
     try:
         await within(stream(), timeout)
-        if api == "openai" and not o.usage_seen:
+        if api != "sglang" and not o.usage_seen:
             o.completion_tokens = p.output_len  # the server sent no usage: ignore_eos length
             o.tokens_from = "requested"
         if o.prompt_tokens is None:
@@ -309,22 +377,50 @@ async def request_once(client, api: str, base: str, p: Prompt, index: int, timeo
 
 
 async def run_level(client, api: str, base: str, prompts: list[Prompt], n: int, timeout: float,
-                    model: str | None = None, on_done=None, plain: bool = False
-                    ) -> tuple[list[Outcome], float]:
-    """Send every prompt with exactly `n` in flight; returns (outcomes, wall time in s)."""
-    todo = iter(enumerate(prompts))  # shared: each worker takes the next prompt
+                    model: str | None = None, on_done=None, fields: Fields | None = None,
+                    rate: float = math.inf, seed: int = 0) -> tuple[list[Outcome], float]:
+    """Send every prompt with at most `n` in flight; returns (outcomes, wall time in s).
+
+    `rate` infinite: exactly `n` in flight (each of n workers sends its next request when its
+    previous one ends). Finite: requests arrive as a Poisson process of `rate` per second
+    (exponential gaps drawn from `seed`, as bench_serving's `--request-rate`); an arrival
+    waits while `n` are in flight (`--max-concurrency`)."""
+    fields = fields if fields is not None else Fields()
     outcomes: list[Outcome] = []
 
-    async def worker():
-        for i, p in todo:
-            o = await request_once(client, api, base, p, i, timeout, model, plain)
-            o.start -= t0  # relative to the level's start
-            outcomes.append(o)
-            if on_done is not None:
-                on_done(o)
+    async def send(i, p):
+        o = await request_once(client, api, base, p, i, timeout, model, fields)
+        o.start -= t0  # relative to the level's start
+        outcomes.append(o)
+        if on_done is not None:
+            on_done(o)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(n, len(prompts)))))
+    if math.isinf(rate):
+        todo = iter(enumerate(prompts))  # shared: each worker takes the next prompt
+
+        async def worker():
+            for i, p in todo:
+                await send(i, p)
+
+        await asyncio.gather(*(worker() for _ in range(min(n, len(prompts)))))
+    else:
+        rng, slots, due, tasks = random.Random(seed), asyncio.Semaphore(n), t0, []
+
+        async def arrival(i, p):
+            async with slots:
+                await send(i, p)
+
+        try:
+            for i, p in enumerate(prompts):
+                if i:  # absolute arrival times: the sleeps do not drift
+                    due += rng.expovariate(rate)
+                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                tasks.append(asyncio.ensure_future(arrival(i, p)))
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
     wall = time.perf_counter() - t0
     return sorted(outcomes, key=lambda o: o.index), wall
 
@@ -334,14 +430,16 @@ async def run_level(client, api: str, base: str, prompts: list[Prompt], n: int, 
 # ---------------------------------------------------------------------------------------
 
 def _stats(values, name: str) -> dict:
-    """mean/median/p90/p99 in ms of `values` in seconds (empty -> None)."""
+    """mean/median/std/p90/p95/p99 in ms of `values` in seconds (empty -> None); std is the
+    population standard deviation, as numpy's (and bench_serving's) default."""
     import numpy as np
 
     v = np.asarray([x for x in values if x is not None], dtype=float) * 1e3
     if v.size == 0:
         return {f"{s}_{name}_ms": None for s in STATS}
     return {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
-            f"p90_{name}_ms": float(np.percentile(v, 90)), f"p99_{name}_ms": float(np.percentile(v, 99))}
+            f"std_{name}_ms": float(v.std()), f"p90_{name}_ms": float(np.percentile(v, 90)),
+            f"p95_{name}_ms": float(np.percentile(v, 95)), f"p99_{name}_ms": float(np.percentile(v, 99))}
 
 
 def summarize(outcomes: list[Outcome], wall: float) -> dict:
@@ -386,6 +484,13 @@ def request_row(o: Outcome, label: str, concurrency: int) -> dict:
         "accept_length": o.completion_tokens / o.spec_verify_ct if o.ok and o.spec_verify_ct else None,
         "server_e2e_latency_ms": _ms(o.server_e2e_latency), "start_s": o.start,
     }
+
+
+def request_record(o: Outcome, label: str, concurrency: int, rate: float) -> dict:
+    """One JSONL line: the CSV row's fields plus the request's ITL list (ms, one per token
+    after the first) and the level's request rate (null when unthrottled)."""
+    return {**request_row(o, label, concurrency), "request_rate": None if math.isinf(rate) else rate,
+            "itl_ms": [x * 1e3 for x in o.itl]}
 
 
 # ---------------------------------------------------------------------------------------
@@ -461,8 +566,11 @@ def default_num_prompts(concurrency: int) -> int:
 def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, input_len: int,
         output_len: int, dataset: str = "random", warmup: int = 1, timeout: float = 300.0,
         model: str | None = None, label: str | None = None, seed: int = 0,
-        out: Path = Path("results"), quiet: bool = False) -> tuple[Path, Path]:
-    """Measure the server at each concurrency level; returns (summary CSV, per-request CSV)."""
+        out: Path = Path("results"), quiet: bool = False, request_rate: float = math.inf
+        ) -> tuple[Path, Path]:
+    """Measure the server at each concurrency level; returns (summary CSV, per-request CSV).
+
+    Raises AllFailed, after writing every file, when every request of some level failed."""
     import httpx
     from rich.console import Console
     from rich.progress import Progress
@@ -470,7 +578,7 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
     from ddbench.results import ResultWriter, run_metadata, timestamp
 
     if api not in APIS:
-        raise UserError(f"--api {api!r}: choose sglang or openai")
+        raise UserError(f"--api {api!r}: choose one of {', '.join(APIS)}")
     if not concurrency or min(concurrency) <= 0:
         raise UserError(f"--concurrency must be positive integers, got {concurrency}")
     for name, v in (("--num-prompts", num_prompts), ("--input-len", input_len),
@@ -481,61 +589,80 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
         raise UserError(f"--warmup must be >= 0, got {warmup}")
     if not timeout > 0:
         raise UserError(f"--timeout must be > 0, got {timeout}")
+    if not request_rate > 0:
+        raise UserError(f"--request-rate must be > 0 (inf: no throttle), got {request_rate}")
     base = check_url(url)
     # the warmup and every level get prompts of their own, so no level is served from a
     # prefix cache warmed by another; a dataset file shorter than that is reused cyclically
     counts = [num_prompts or default_num_prompts(c) for c in concurrency]
     prompts = make_prompts(dataset, warmup + sum(counts), input_len, output_len, api, seed)
+    if api == "openai-chat" and not all(isinstance(p.prompt, str) for p in prompts):
+        raise UserError(f"--dataset {dataset}: --api openai-chat needs text prompts, not input_ids")
     starts = [warmup + sum(counts[:i]) for i in range(len(counts))]
     info = server_info(base, api, timeout)
     model = model or _model_id(info)
     label = label or f"{api}@{urlsplit(base).netloc}"
     console = Console(stderr=True, quiet=quiet)
+    rate = None if math.isinf(request_rate) else request_rate
 
     stamp = timestamp()
     common = dict(url=base, api=api, model=model, label=label, dataset=dataset, seed=seed,
                   concurrency=concurrency, num_prompts=num_prompts, input_len=input_len,
-                  output_len=output_len, warmup=warmup, timeout_s=timeout,
+                  output_len=output_len, warmup=warmup, timeout_s=timeout, request_rate=rate,
                   server_info=info, source="measured")
+    fields = Fields()
+    failures = []  # one line per level whose every request failed
+
+    def note_plain():
+        if fields.plain and not common.get("plain_openai"):
+            common["plain_openai"] = True
+            console.print("warning: the server rejected ignore_eos/continuous_usage_stats; "
+                          "sending standard OpenAI fields only (outputs may end early)")
 
     async def main():
-        plain = False
         limits = httpx.Limits(max_connections=max(concurrency) + warmup + 4,
                               max_keepalive_connections=max(concurrency) + warmup + 4)
         tmo = httpx.Timeout(timeout, connect=min(timeout, 10.0))
         async with httpx.AsyncClient(timeout=tmo, limits=limits, trust_env=False) as client:
             if warmup:  # all at once; also opens that many connections
                 short = [Prompt(p.prompt, p.prompt_len, min(p.output_len, 16)) for p in prompts[:warmup]]
-                short += [short[i % len(short)] for i in range(len(short), warmup)]
-                outs, _ = await run_level(client, api, base, short, warmup, timeout, model)
-                rejected = all(o.error.startswith(("HTTP 400", "HTTP 422")) for o in outs)
-                if api == "openai" and rejected:  # a strict server: retry with standard fields only
-                    outs, _ = await run_level(client, api, base, short, warmup, timeout, model, plain=True)
-                    common["plain_openai"] = plain = any(o.ok for o in outs)
-                    if plain:
-                        console.print("warning: the server rejected ignore_eos/continuous_usage_stats; "
-                                      "sending standard OpenAI fields only (outputs may end early)")
+                outs, _ = await run_level(client, api, base, short, warmup, timeout, model, fields=fields)
+                note_plain()
                 if not any(o.ok for o in outs):
                     raise UserError(f"all {warmup} warmup request(s) to {base} failed: {outs[0].error}")
             with ResultWriter(out, "baseline_requests", run_metadata("baseline_requests", **common),
                               name=f"baseline_requests_{stamp}") as req_w, \
                  ResultWriter(out, "baseline", run_metadata("baseline", **common),
                               name=f"baseline_{stamp}") as sum_w, \
+                 open(req_w.out / f"{req_w.name}.jsonl", "w") as jsonl, \
                  Progress(console=console, transient=True) as bar:
                 sum_w.meta["requests_csv"] = req_w.path.name
+                sum_w.meta["requests_jsonl"] = req_w.meta["requests_jsonl"] = Path(jsonl.name).name
                 for c, n, start in zip(concurrency, counts, starts):
                     todo = prompts[start:start + n]
                     task = bar.add_task(f"concurrency {c}", total=len(todo))
 
                     def done(o, c=c, task=task):
                         req_w.write(request_row(o, label, c))
+                        jsonl.write(json.dumps(request_record(o, label, c, request_rate)) + "\n")
+                        jsonl.flush()
                         bar.advance(task)
 
-                    outs, wall = await run_level(client, api, base, todo, c, timeout, model, done, plain)
-                    sum_w.write({**dict.fromkeys(SUMMARY_COLUMNS), **summarize(outs, wall),
+                    outs, wall = await run_level(client, api, base, todo, c, timeout, model, done,
+                                                 fields, request_rate, seed + start)
+                    note_plain()
+                    row = summarize(outs, wall)
+                    sum_w.write({**dict.fromkeys(SUMMARY_COLUMNS), **row,
                                  "label": label, "source": "measured", "api": api, "concurrency": c,
+                                 "request_rate": rate,
                                  "input_len": input_len if dataset == "random" else None,
                                  "output_len": output_len})
+                    if not row["completed"]:
+                        failures.append(f"concurrency {c}: all {n} requests failed ({error_summary(outs)})")
+                    elif row["failed"] > WARN_FAILED_FRACTION * n:
+                        console.print(f"warning: concurrency {c}: {row['failed']} of {n} requests "
+                                      f"failed ({error_summary(outs)})")
+                sum_w.meta["plain_openai"] = req_w.meta["plain_openai"] = fields.plain
                 if api == "sglang":  # SGLang's own running average, beside ours
                     try:
                         r = await client.get(base + "/get_server_info", timeout=min(timeout, 10.0))
@@ -549,6 +676,8 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
     stdout = Console(quiet=quiet)
     print_summary(sum_w.rows, stdout)
     stdout.print(f"wrote {sum_w.path} and {req_w.path}")
+    if failures:
+        raise AllFailed("; ".join(failures))
     return sum_w.path, req_w.path
 
 
@@ -608,6 +737,11 @@ def import_bench_serving(path: Path, out: Path, label: str | None = None) -> tup
     return sum_w.path, (req_w.path if req_w is not None else None)
 
 
+def _finite(x) -> float | None:
+    """A finite number, else None (bench_serving writes an unthrottled rate as Infinity)."""
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
 def _import_row(d: dict, label: str, no: int, path: Path) -> dict:
     import numpy as np
 
@@ -631,7 +765,8 @@ def _import_row(d: dict, label: str, no: int, path: Path) -> dict:
            "duration_s": dur, "total_input_tokens": tin, "total_output_tokens": tout,
            "req_per_s": d.get("request_throughput"), "input_tok_per_s": d.get("input_throughput"),
            "output_tok_per_s": d.get("output_throughput"), "total_tok_per_s": total,
-           "accept_length": d.get("accept_length"), "measured_concurrency": d.get("concurrency")}
+           "accept_length": d.get("accept_length"), "measured_concurrency": d.get("concurrency"),
+           "request_rate": _finite(d.get("request_rate"))}
     for m in METRICS:
         for s in STATS:
             row[f"{s}_{m}_ms"] = d.get(f"{s}_{m}_ms")

@@ -320,7 +320,8 @@ def baseline(
     url: Optional[str] = typer.Option(None, "--url", help="Server base URL, e.g. http://127.0.0.1:30000."),
     api: str = typer.Option("sglang", "--api",
                             help="sglang: native /generate (meta_info counts, spec_verify_ct); "
-                                 "openai: /v1/completions SSE (usage counts)."),
+                                 "openai: /v1/completions SSE (usage counts); "
+                                 "openai-chat: /v1/chat/completions SSE (usage counts)."),
     concurrency: str = typer.Option("1,10", "--concurrency", "-c",
                                     help="Requests kept in flight: '1,10', '1-4' ..."),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts",
@@ -337,6 +338,10 @@ def baseline(
     import_file: Optional[Path] = typer.Option(None, "--import",
                                                help="Convert an SGLang bench_serving --output-file JSONL into "
                                                     "the baseline summary CSV instead of measuring."),
+    request_rate: float = typer.Option(float("inf"), "--request-rate",
+                                       help="Requests per second as Poisson arrivals, at most --concurrency in "
+                                            "flight (bench_serving --request-rate with --max-concurrency); "
+                                            "inf: exactly --concurrency in flight."),
     seed: int = SEED, out: Path = OUT,
 ):
     """Measure a live SGLang (or OpenAI-compatible) server at concurrency N.
@@ -346,8 +351,10 @@ def baseline(
     TPOT = (latency - TTFT)/(out - 1), ITL (a multi-token chunk's gap split
     over its tokens), E2E latency (mean/median/p90/p99), accept length
     (completion tokens / spec_verify_ct) and failed requests.
-    Writes baseline_*.csv (summary), baseline_requests_*.csv (per request)
-    and JSON sidecars with the server's own info.
+    Writes baseline_*.csv (summary, with std and p95 too), baseline_requests_*.csv
+    (per request), baseline_requests_*.jsonl (per request, with its ITL list) and JSON
+    sidecars with the server's own info. Exit code 1, with a one-line count of error
+    kinds, when every request of a level failed.
     """
     from ddbench import baseline as bl
 
@@ -359,9 +366,13 @@ def baseline(
     if not url:
         raise UserError("--url is required (or --import FILE.jsonl)")
     levels = parse_int_list(concurrency, "--concurrency")
-    bl.run(url=url, api=api, concurrency=levels, num_prompts=num_prompts, input_len=input_len,
-           output_len=output_len, dataset=dataset, warmup=warmup, timeout=timeout, model=model,
-           label=label, seed=seed, out=out)
+    try:
+        bl.run(url=url, api=api, concurrency=levels, num_prompts=num_prompts, input_len=input_len,
+               output_len=output_len, dataset=dataset, warmup=warmup, timeout=timeout, model=model,
+               label=label, seed=seed, out=out, request_rate=request_rate)
+    except bl.AllFailed as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=1) from None
 
 
 # --- decode ---

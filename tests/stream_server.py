@@ -1,4 +1,5 @@
-"""A tiny streaming LLM server for tests: SGLang native `/generate` and OpenAI `/v1/completions`.
+"""A tiny streaming LLM server for tests: SGLang native `/generate`, OpenAI `/v1/completions`
+and `/v1/chat/completions`.
 
 It streams a known token schedule: the first event (`first` tokens) `ttft_s` after the request
 arrives, then one event of `per_event` tokens every `gap_s` (the last event may be smaller),
@@ -8,7 +9,10 @@ verify round (`spec_verify_ct`). Sleeps target absolute times, so gaps do not dr
 It records how many requests are in flight (the count drops before the final bytes are sent,
 so a client cannot start its next request before the drop) and can inject faults by arrival
 number (1-based): 'http500', 'reset' (TCP RST after the first event), 'malformed' (a broken
-JSON event), 'hang' (sleeps `hang_s`, then gives up). Listens on 127.0.0.1 only.
+JSON event), 'hang' (sleeps `hang_s`, then gives up), 'cut' (ends the stream cleanly after
+the first event: no finish reason, no usage, no [DONE]). With `done=False` a stream ends
+after its finish / usage event without `data: [DONE]`, as Hugging Face's `transformers serve`
+does. Chat streams open with a role-only chunk that carries no token. Listens on 127.0.0.1 only.
 
 `TestServer` runs it in a child process (so its threads never share a GIL with the client
 being measured) and reads its counters over GET /stats; POST /reset clears them and
@@ -38,6 +42,7 @@ class Schedule:
     faults: dict = field(default_factory=dict)  # arrival number -> fault name
     hang_s: float = 1.5
     strict: bool = False  # openai: reject the non-standard ignore_eos / continuous_usage_stats (HTTP 400)
+    done: bool = True  # end every stream with data: [DONE]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -87,8 +92,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/config":
             srv.schedule = dataclasses.replace(srv.schedule, **body)
             return self._json(200, {})
-        native = self.path == "/generate"
-        if self.path not in ("/generate", "/v1/completions"):
+        native, chat = self.path == "/generate", self.path == "/v1/chat/completions"
+        if self.path not in ("/generate", "/v1/completions", "/v1/chat/completions"):
             return self._json(404, {"error": f"no route {self.path}"})
         arrival = srv.arrive(body)
         left = [True]  # still counted in flight
@@ -114,13 +119,18 @@ class _Handler(BaseHTTPRequestHandler):
                 leave()
                 return self._json(400, {"error": "unrecognized request argument: ignore_eos"})
             out = body["sampling_params"]["max_new_tokens"] if native else body["max_tokens"]
-            prompt = body.get("input_ids") or body.get("text") or body.get("prompt")
+            prompt = (body.get("input_ids") or body.get("text") or body.get("prompt")
+                      or " ".join(m["content"] for m in body.get("messages", [])))
             n_prompt = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             sent, rounds, due = 0, 0, t0 + sch.ttft_s
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            if chat:
+                self._event({"id": str(arrival), "object": obj, "model": "test-model",
+                             "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
             while sent < out:
                 n = min(sch.first if sent == 0 else sch.per_event, out - sent)
                 time.sleep(max(0.0, due - time.perf_counter()))
@@ -134,9 +144,12 @@ class _Handler(BaseHTTPRequestHandler):
                         "spec_verify_ct": rounds, "e2e_latency": time.perf_counter() - t0,
                         "finish_reason": {"type": "length", "length": out} if sent == out else None}})
                 else:
-                    ev = {"id": str(arrival), "object": "text_completion", "model": "test-model",
-                          "choices": [{"index": 0, "text": " tok" * n,
-                                       "finish_reason": "length" if sent == out else None}]}
+                    choice = {"index": 0, "finish_reason": "length" if sent == out else None}
+                    if chat:
+                        choice["delta"] = {"content": " tok" * n}
+                    else:
+                        choice["text"] = " tok" * n
+                    ev = {"id": str(arrival), "object": obj, "model": "test-model", "choices": [choice]}
                     if sch.usage == "continuous" and (body.get("stream_options") or {}).get(
                             "continuous_usage_stats"):
                         ev["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": sent,
@@ -157,13 +170,18 @@ class _Handler(BaseHTTPRequestHandler):
                     self._event("[DONE]")
                     self._chunk(b"")
                     return
+                if fault == "cut":
+                    leave()
+                    self._chunk(b"")
+                    return
                 due += sch.gap_s
             if not native and (sch.usage == "final" or sch.usage == "continuous" and not (
                     body.get("stream_options") or {}).get("continuous_usage_stats")):
-                self._event({"id": str(arrival), "object": "text_completion", "choices": [],
+                self._event({"id": str(arrival), "object": obj, "choices": [],
                              "usage": {"prompt_tokens": n_prompt, "completion_tokens": out,
                                        "total_tokens": n_prompt + out}})
-            self._event("[DONE]")
+            if sch.done:
+                self._event("[DONE]")
             self._chunk(b"")
         finally:
             leave()

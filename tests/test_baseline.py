@@ -255,6 +255,10 @@ def test_summary_maths_on_hand_made_outcomes():
     assert r["mean_itl_ms"] == pytest.approx(1000 * (0.4 + 0.4) / 6)
     assert r["accept_length"] == pytest.approx(8 / 4) and r["spec_verify_ct"] == 4
     assert r["measured_concurrency"] == pytest.approx(0.6)
+    # std: population (numpy's default, as bench_serving); p95 by linear interpolation
+    assert r["std_ttft_ms"] == pytest.approx(100) and r["p95_ttft_ms"] == pytest.approx(290)
+    assert r["std_itl_ms"] == pytest.approx(1e3 * (0.02 / 9) ** 0.5)  # 4x 0.1, 2x 0.2: var 2/9 * 0.01
+    assert r["p95_e2e_latency_ms"] == pytest.approx(690)
 
 
 def cli(*args, timeout=30):
@@ -408,7 +412,8 @@ def test_import_bench_serving(tmp_path):
 def test_reference_data():
     ref = ROOT / "results" / "baseline" / "sglang_reference.csv"
     got = rows(ref)
-    assert list(got[0]) == bl.SUMMARY_COLUMNS
+    cols = [c for c in bl.SUMMARY_COLUMNS if c in got[0]]  # columns added later stay empty there
+    assert list(got[0]) == cols and len(cols) >= len(bl.SUMMARY_COLUMNS) - 12
     assert [(r["concurrency"], num(r["output_tok_per_s"])) for r in got] == [("1", 138.0), ("10", 517.0)]
     assert all(r["source"] == "reference" and r["mean_ttft_ms"] == "" for r in got)
     meta = json.loads(ref.with_suffix(".json").read_text())
@@ -452,17 +457,124 @@ def test_report_plots_baseline_and_engine(tmp_path):
     assert all(Path(p).stat().st_size > 1000 for _, p in drawn)
 
 
-def test_strict_openai_server_gets_standard_fields_only(tmp_path):
+@pytest.mark.parametrize("warmup", [1, 0])
+def test_strict_openai_server_gets_standard_fields_only(tmp_path, warmup):
+    # the fallback applies to every request, not only the warmup: without a warmup the first
+    # request of each of the 2 workers is rejected, sent again plain, and the rest go plain
     with TestServer(Schedule(ttft_s=0.02, gap_s=0.01, strict=True)) as s:
         [row], reqs, summary, _ = measure(s, "openai", concurrency=[2], num_prompts=4, output_len=5,
-                                          warmup=1, out=tmp_path / "a")
+                                          warmup=warmup, out=tmp_path)
         bodies = s.bodies
-        # without a warmup there is nothing to fall back on: every request fails, and is counted
-        [bad], bad_reqs, *_ = measure(s, "openai", concurrency=[2], num_prompts=3, output_len=5,
-                                      warmup=0, out=tmp_path / "b")
     assert "ignore_eos" not in bodies[-1] and bodies[-1]["stream_options"] == {"include_usage": True}
+    rejected = [b for b in bodies if "ignore_eos" in b]
+    assert 1 <= len(rejected) <= 2 and len(bodies) == warmup + 4 + len(rejected)
     assert row["completed"] == "4" and num(row["total_output_tokens"]) == 4 * 5
-    assert all(r["tokens_from"] == "server" for r in reqs)  # from the final usage chunk
+    assert all(r["tokens_from"] == "server" and r["error"] == "" for r in reqs)  # final usage chunk
     assert json.loads(summary.with_suffix(".json").read_text())["plain_openai"] is True
-    assert bad["completed"] == "0" and bad["failed"] == "3"
-    assert all(r["error"].startswith("HTTP 400") for r in bad_reqs)
+
+
+def level(s, api, prompts, n, **kw):
+    async def go():
+        async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
+            return await bl.run_level(client, api, s.url, prompts, n, 5.0, "m", **kw)
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("api,usage", [("sglang", "final"), ("openai", "final"), ("openai", "continuous"),
+                                       ("openai", "none"), ("openai-chat", "final")])
+def test_stream_that_ends_after_finish_or_usage_without_done_is_complete(api, usage):
+    # transformers serve ends its streams after the usage chunk, with no data: [DONE]
+    sch = Schedule(ttft_s=0.03, gap_s=0.01, first=2, per_event=2, usage=usage, done=False, faults={3: "cut"})
+    prompts = bl.make_prompts("random", 4, 6, 7, api, seed=3)
+    with TestServer(sch) as s:
+        outs, _ = level(s, api, prompts, 1)
+    good = [o for o in outs if o.index != 2]
+    assert all(o.ok and o.error == "" and o.events == 4 for o in good)
+    assert all(o.completion_tokens == 7 and o.prompt_tokens == 6 for o in good)
+    assert [o.tokens_from for o in good] == ["requested" if usage == "none" else "server"] * 3
+    cut = outs[2]  # ended cleanly after its first event, before any finish reason or usage
+    assert not cut.ok and cut.error.startswith("stream ended without data: [DONE], a finish reason")
+
+
+def test_chat_completions_match_schedule(tmp_path):
+    ttft, gap, n = 0.3, 0.06, 6
+    with TestServer(Schedule(ttft_s=ttft, gap_s=gap, usage="final")) as s:
+        [row], reqs, summary, requests = measure(s, "openai-chat", concurrency=[2], num_prompts=4,
+                                                 output_len=n, warmup=2, out=tmp_path)
+        body = s.bodies[-1]
+    assert body["messages"][0]["role"] == "user" and len(body["messages"][0]["content"].split()) == 16
+    assert "prompt" not in body and body["max_tokens"] == n and body["ignore_eos"] is True
+    assert row["api"] == "openai-chat" and row["completed"] == "4" and num(row["total_output_tokens"]) == 4 * n
+    # the role-only first chunk carries no token: TTFT is the first content chunk
+    assert num(row["median_ttft_ms"]) == pytest.approx(1e3 * ttft, rel=REL)
+    assert num(row["median_itl_ms"]) == pytest.approx(1e3 * gap, rel=REL)
+    assert num(row["p95_itl_ms"]) == pytest.approx(1e3 * gap, rel=0.25)
+    assert 0 <= num(row["std_itl_ms"]) < 0.25 * 1e3 * gap
+    assert all(r["events"] == str(n) and r["tokens_from"] == "server" for r in reqs)
+    lines = [json.loads(x) for x in requests.with_suffix(".jsonl").read_text().splitlines()]
+    assert sorted(x["index"] for x in lines) == [0, 1, 2, 3] and all(x["request_rate"] is None for x in lines)
+    for x in lines:
+        assert len(x["itl_ms"]) == n - 1 and x["itl_ms"] == pytest.approx([1e3 * gap] * (n - 1), rel=0.3)
+        assert x["ttft_ms"] + sum(x["itl_ms"]) == pytest.approx(x["e2e_latency_ms"], rel=0.05)
+    meta = json.loads(summary.with_suffix(".json").read_text())
+    assert meta["requests_jsonl"] == requests.with_suffix(".jsonl").name
+
+
+def test_request_rate_is_poisson_and_capped_by_concurrency():
+    # 40 arrivals at 40/s from a seeded exponential draw: every request starts at its drawn time
+    # (requests of 30 ms never fill 8 slots); then the same draw with 2 slots and 0.25 s
+    # requests: at most 2 in flight, later arrivals wait for a slot
+    import random
+
+    rate, n, seed = 40.0, 40, 7
+    rng = random.Random(seed)
+    due = [0.0]
+    for _ in range(n - 1):
+        due.append(due[-1] + rng.expovariate(rate))
+    prompts = bl.make_prompts("random", n, 4, 3, "sglang")
+    with TestServer(Schedule(ttft_s=0.01, gap_s=0.01)) as s:
+        outs, wall = level(s, "sglang", prompts, 8, rate=rate, seed=seed)
+        free = s.max_in_flight
+        s.configure(ttft_s=0.15, gap_s=0.05)
+        s.reset_stats()
+        capped, _ = level(s, "sglang", prompts[:10], 2, rate=rate, seed=seed)
+        stats = s.stats()
+    assert all(o.ok for o in outs) and free <= 8
+    starts = [o.start for o in outs]
+    assert starts == pytest.approx(due, abs=0.03)
+    assert wall == pytest.approx(due[-1] + 0.03, abs=0.05)
+    assert stats["max_in_flight"] == 2 and stats["arrivals"] == 10 and all(o.ok for o in capped)
+    assert capped[-1].start > due[9] + 0.3  # 10 requests of 0.25 s through 2 slots: >= 1.25 s
+
+
+def test_all_failed_level_exits_1_with_error_kinds(tmp_path):
+    # arrival 1 is the warmup; level 1 (c=1, arrivals 2-5): 2 of 4 fail -> a warning line;
+    # level 2 (c=2, arrivals 6-9): every connection is reset -> exit 1 with one line that
+    # counts the error kinds; every file is still written
+    faults = {3: "http500", 4: "http500", **{i: "reset" for i in range(6, 10)}}
+    with TestServer(Schedule(ttft_s=0.01, gap_s=0.01, faults=faults)) as s:
+        p, _ = cli("--url", s.url, "--api", "sglang", "-c", "1,2", "--num-prompts", "4", "--input-len", "4",
+                   "--output-len", "3", "--timeout", "3", "--out", str(tmp_path))
+    assert p.returncode == 1, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert "warning: concurrency 1: 2 of 4 requests failed (2x HTTP 500)" in lines
+    assert lines[-1] == "error: concurrency 2: all 4 requests failed (4x connection error)"
+    [summary] = tmp_path.glob("baseline_2*.csv")
+    got = rows(summary)
+    assert [(r["completed"], r["failed"]) for r in got] == [("2", "2"), ("0", "4")]
+
+    assert bl.error_summary([bl.Outcome(0, 1, error="timeout after 3 s"), bl.Outcome(1, 1, ok=True),
+                             bl.Outcome(2, 1, error="HTTP 503: busy"),
+                             bl.Outcome(3, 1, error="HTTP 503: x")]) == "2x HTTP 503, 1x timeout after 3 s"
+
+
+def test_request_rate_and_chat_input_checks(tmp_path):
+    f = tmp_path / "ids.jsonl"
+    f.write_text('{"input_ids": [5, 6, 7]}\n')
+    with TestServer() as s:
+        for kw, msg in ((dict(request_rate=0.0), "--request-rate must be > 0"),
+                        (dict(request_rate=float("nan")), "--request-rate must be > 0"),
+                        (dict(api="openai-chat", dataset=str(f)), "needs text prompts")):
+            with pytest.raises(UserError, match=msg):
+                measure(s, kw.pop("api", "openai"), out=tmp_path / "o", **kw)
+    assert not (tmp_path / "o").exists()
