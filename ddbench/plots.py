@@ -261,7 +261,7 @@ def _stack(ax, labels_x, rows: pd.DataFrame, phases, total_col, floor_col, total
         ax.bar(x, vals, bottom=bottom, label=p, width=0.6)
         bottom += vals
     if total_col in rows:
-        ax.scatter(x, num(rows, total_col), marker="_", s=900, color="black", zorder=3, label=total_label)
+        ax.hlines(num(rows, total_col), x - 0.35, x + 0.35, color="black", lw=2, zorder=3, label=total_label)
     if floor_col and floor_col in rows:
         f = num(rows, floor_col)
         ax.scatter(x[f.notna().to_numpy()], f.dropna(), marker="x", color="red", zorder=3, label=floor_label)
@@ -284,9 +284,10 @@ def decode(runs, labels, out, fmt):
     fig, ax = plt.subplots(figsize=(min(16, max(8.5, 1.2 * len(rows) + 4)), 4.8))
     _stack(ax, list(rows["_x"]), rows, DECODE_PHASES, "step_total_us", "floor_us",
            "step total (graph replay + modelled comm)", "bytes floor")
-    r0 = runs[0][0]
+    preset = rows["preset"].iloc[0] if "preset" in rows else ""
+    tp = rows["tp"].iloc[0] if "tp" in rows else "?"
     ax.set_ylabel("time per decode step (us)")
-    ax.set_title(f"decode step, {r0.meta.get('preset', '')} TP-{r0.meta.get('tp', '')}: phases timed one by one "
+    ax.set_title(f"decode step, {preset} TP-{tp}: phases timed one by one "
                  f"(bars) vs the whole step\n{run_title(runs, labels)}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     _legend(ax, outside=True)
@@ -344,9 +345,14 @@ def e2e(runs, labels, out, fmt, reference=None):
         made.append(("e2e: tok/s vs budget", save(fig, out, "e2e_budget", fmt)))
     if acc and len(spec):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for prof, g in spec.groupby("_profile"):
+        styles = ("-", "--", ":", "-.")
+        colors = {}
+        for (prof, c), g in spec.groupby(["_profile", "concurrency"]):
             g = num(g, acc).groupby(g["budget"]).mean().sort_index()
-            ax.plot(g.index, g.values, "o-", label=prof)
+            ls = styles[concs.index(c) % len(styles)]
+            line, = ax.plot(g.index, g.values, marker="o", ls=ls, color=colors.get(prof),
+                            label=prof + (f" c={int(c)}" if len(concs) > 1 else ""))
+            colors[prof] = line.get_color()
         _log2_x(ax)
         ax.set(xlabel="tree budget (nodes per stream)", ylabel="mean tokens accepted a step",
                title=f"e2e: E[accepted] vs budget\n{where}")
