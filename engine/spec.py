@@ -18,19 +18,25 @@ the same run and as the lossless reference.
 
 Acceptance modes (`parse_acceptance`): `real` is the true greedy walk (lossless: the
 output equals greedy decoding of the target). Random weights make a real drafter miss, so
-`synthetic:TAU` and `profile:FILE` keep every kernel on real shapes but decide the
-accepted length per stream and step by a draw: depth d is accepted with probability a_d
-(given depth d-1 was), a constant a chosen so the mean tokens per step (bonus included)
-is TAU, or a_d read from a per-depth profile file. The path is walked down the tree's
-rank-0 chain (cut where the tree's chain ends). In these modes the tree is built from
-the drafter's real top-K token ids with log-probs taken from the profile (rank 0: log a_d,
-the rest share 1 - a_d), so its shape is what a drafter with that acceptance would give;
-random weights alone give flat distributions and a shallow, wide tree.
+the drawn modes keep every kernel on real shapes but decide the accepted path per stream
+and step by a draw of the target's token rank at every depth (`engine.acceptance`):
+
+- `rank:PROFILE`: the rank is drawn from a rank profile (p[d][r]: the target's token is
+  the drafter's rank-r candidate); the tree is built from log p (a calibrated drafter),
+  and the longest root path whose ranks match is accepted, so a wider tree accepts more
+  as far as the profile's lower ranks carry mass;
+- `synthetic:TAU` and `profile:FILE` walk the rank-0 chain only: depth d is accepted with
+  probability a_d (given depth d-1 was), a constant a chosen so the mean tokens per step
+  (bonus included) is TAU, or a_d read from a per-depth file; the tree is built from
+  log-probs with rank 0 at log a_d and the rest sharing 1 - a_d.
+
+In every drawn mode the tree holds the drafter's real top-K token ids; one captured graph
+serves them all (the draw's tables are device buffers). Random weights alone give flat
+distributions and a shallow, wide tree.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -38,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from ddbench.engine.acceptance import (RankCounter, RankProfile, draw_ranks, expected_curve, load_profile,
+                                       matched_path)
 from ddbench.engine.config import ConfigError
 from ddbench.engine.phases import PhaseTimer
 from ddbench.kernels import ddtree
@@ -50,15 +58,33 @@ HEAD_START_CYCLES = 200_000_000   # ~0.1 s of GPU spin before the phase-timed ea
 
 @dataclass
 class Acceptance:
-    """How accepted paths are decided: mode 'real', 'synthetic' or 'profile'."""
+    """How accepted paths are decided: mode 'real', 'synthetic', 'profile' or 'rank'."""
     mode: str = "real"
-    probs: tuple[float, ...] | None = None   # per-depth conditional acceptance a_1..a_L
+    probs: tuple[float, ...] | None = None   # per-depth conditional acceptance a_1..a_L (chain modes)
     label: str = "real"
+    profile: RankProfile | None = None       # rank mode
 
     @property
     def tau(self) -> float | None:
-        """Expected tokens per step, bonus included (None for 'real')."""
+        """Expected tokens per step of the rank-0 chain, bonus included (None for 'real')."""
+        if self.profile is not None:
+            return self.profile.chain_tokens()
         return None if self.probs is None else expected_tokens(self.probs)
+
+    def tables(self, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tree log-probs `[L, K]` sorted descending, match probabilities `[L, K]`) of a drawn mode."""
+        if self.profile is not None:
+            p = self.profile.table(depth, k)
+            return p.clamp(min=1e-9).log().float(), p
+        match = torch.zeros(depth, k, dtype=torch.float64)
+        match[:, 0] = torch.tensor(self.probs, dtype=torch.float64)
+        return profile_logp(self.probs, k), match
+
+    def expected_curve(self, depth: int, k: int, max_budget: int) -> list[float] | None:
+        """E[tokens per step] for budgets 0..max_budget (None for 'real')."""
+        if self.mode == "real":
+            return None
+        return expected_curve(*self.tables(depth, k), max_budget)
 
 
 def expected_tokens(probs) -> float:
@@ -112,7 +138,8 @@ def read_profile(path: Path, depth: int) -> tuple[float, ...]:
 
 
 def parse_acceptance(text: str, depth: int) -> Acceptance:
-    """'real' | 'synthetic:TAU' | 'profile:FILE' -> Acceptance for a drafter of `depth`."""
+    """'real' | 'synthetic:TAU' | 'profile:FILE' | 'rank:PROFILE' -> Acceptance for a drafter
+    of `depth` (PROFILE: a shipped profile's name or a JSON file)."""
     kind, _, arg = text.partition(":")
     if kind == "real" and not arg:
         return Acceptance()
@@ -124,7 +151,10 @@ def parse_acceptance(text: str, depth: int) -> Acceptance:
         return Acceptance("synthetic", tau_probs(tau, depth), f"synthetic:{tau:g}")
     if kind == "profile" and arg:
         return Acceptance("profile", read_profile(Path(arg), depth), f"profile:{Path(arg).name}")
-    raise ConfigError(f"--acceptance {text!r}: use real, synthetic:TAU or profile:FILE")
+    if kind == "rank" and arg:
+        prof = load_profile(arg)
+        return Acceptance("rank", None, f"rank:{prof.name}", prof)
+    raise ConfigError(f"--acceptance {text!r}: use real, synthetic:TAU, profile:FILE or rank:PROFILE")
 
 
 def profile_logp(probs, k: int) -> torch.Tensor:
@@ -135,33 +165,6 @@ def profile_logp(probs, k: int) -> torch.Tensor:
     rest = rest / rest.sum() if k > 1 else rest
     p = torch.cat([a[:, None], (1 - a)[:, None] * rest[None, :]], dim=1)         # [L, K]
     return p.log().sort(dim=-1, descending=True).values.float()
-
-
-def drawn_tokens(u: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Tokens per step (bonus included) from uniforms u `[N, L]`: depth d is kept while
-    u[:, d] < probs[d] for every depth up to d -> `[N]` in 1..L+1."""
-    return 1 + (u < probs).long().cumprod(-1).sum(-1)
-
-
-def rank0_path(parent: torch.Tensor, rank: torch.Tensor, depth: torch.Tensor, want: torch.Tensor,
-               max_depth: int) -> torch.Tensor:
-    """Accepted nodes `[N, max_depth+1]` (root first, -1 padded): the tree's rank-0 chain
-    (root, its rank-0 child, that one's rank-0 child, ..) cut after `want[b]` nodes or
-    where the tree's chain ends. parent/rank/depth `[N, T]` as `kernels.ddtree.Tree`."""
-    n, t = parent.shape
-    l1 = max_depth + 1
-    # off[j]: some node on the path root..j has rank > 0 (pointer jumping over parents)
-    off = rank > 0
-    off[:, 0] = False
-    par = parent.clamp(min=0)
-    for _ in range(max(1, math.ceil(math.log2(l1))) + 1):
-        off = off | off.gather(1, par)
-        par = par.gather(1, par)
-    keep = ~off & (depth < want.view(n, 1))                                     # [N, T]
-    col = torch.where(keep, depth, l1)                                          # [N, T] slot = depth
-    acc = torch.full((n, l1 + 1), -1, dtype=torch.long, device=parent.device)
-    acc.scatter_(1, col, torch.arange(t, device=parent.device).expand(n, t))
-    return acc[:, :l1]
 
 
 # --- the session: streams, caches, prefill ----------------------------------------
@@ -194,6 +197,8 @@ class Session:
         self.prefix_len = torch.zeros(n, dtype=torch.long, device=dev)
         self.bonus = torch.zeros(n, dtype=torch.long, device=dev)
         self.out = torch.zeros(n, self.width, dtype=torch.long, device=dev)
+        self.tied = torch.zeros(n, self.width, dtype=torch.bool, device=dev)   # output came from a top-2 tie
+        self.routing = None            # engine.routing.Routing of the model: told each verify's tree
         self.n_out = torch.zeros(n, dtype=torch.long, device=dev)
         self.limit = torch.zeros(n, dtype=torch.long, device=dev)
         self.done = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -243,16 +248,17 @@ class Session:
         self.prefix_len.copy_(lens_t)
         self.bonus.copy_(first)
         self.out.zero_()
+        self.tied.zero_()
         self.out[:, 0] = first
         self.n_out.fill_(1)
         self.limit.copy_(torch.tensor(limits, dtype=torch.long))
         self.done.copy_(self.n_out >= self.limit)
-        self._snap = [t.clone() for t in (self.prefix_len, self.bonus, self.out, self.n_out, self.done)]
+        self._snap = [t.clone() for t in (self.prefix_len, self.bonus, self.out, self.n_out, self.done, self.tied)]
 
     def restore(self) -> None:
         """Back to the state right after prefill (the caches past each prefix are scratch,
         so only the small per-stream tensors need restoring)."""
-        for t, s in zip((self.prefix_len, self.bonus, self.out, self.n_out, self.done), self._snap):
+        for t, s in zip((self.prefix_len, self.bonus, self.out, self.n_out, self.done, self.tied), self._snap):
             t.copy_(s)
 
     def outputs(self) -> list[list[int]]:
@@ -261,12 +267,22 @@ class Session:
         out = self.out.cpu()
         return [out[b, :n_out[b]].tolist() for b in range(self.n)]
 
-    def emit(self, tokens: torch.Tensor, count: torch.Tensor) -> None:
-        """Append tokens `[N, A]` (first `count[b]` valid) to each stream's output; rows
-        past the count land beyond n_out and are overwritten next time (no sync)."""
+    def tie_flags(self) -> list[list[bool]]:
+        """Per stream, whether each output token was an exact top-2 tie of the target's
+        logits where it was chosen (recorded by steppers that pass `tied`; host copy)."""
+        n_out = torch.minimum(self.n_out, self.limit).tolist()
+        tied = self.tied.cpu()
+        return [tied[b, :n_out[b]].tolist() for b in range(self.n)]
+
+    def emit(self, tokens: torch.Tensor, count: torch.Tensor, tied: torch.Tensor | None = None) -> None:
+        """Append tokens `[N, A]` (first `count[b]` valid; `tied` bool `[N, A]` beside them)
+        to each stream's output; rows past the count land beyond n_out and are overwritten
+        next time (no sync)."""
         n, a = tokens.shape
         cols = (self.n_out.view(n, 1) + torch.arange(a, device=self.device)).clamp(max=self.width - 1)
         self.out.scatter_(1, cols, tokens)
+        if tied is not None:
+            self.tied.scatter_(1, cols, tied)
         self.n_out += count
         self.done |= self.n_out >= self.limit
 
@@ -301,6 +317,7 @@ class RunStats:
     stream_steps: int = 0              # sum over steps of active streams
     accepted: int = 0                  # tokens gained incl. bonus, uncapped
     phase_us: dict = field(default_factory=dict)
+    step_us: list = field(default_factory=list)   # device time of each step
     wall_us: float = 0.0
     cuda_graph: bool = False
 
@@ -415,12 +432,16 @@ class _Stepper:
         accepted = self.accepted_n[:steps].tolist()
         used = max([i + 1 for i, a in enumerate(active) if a > 0], default=0)   # drop idle tail steps
         phase_us = {p: 0.0 for p in self.phases}
+        per_step = []
         for m in marks[:used]:
+            per_step.append(0.0)
             for p, a, b in zip(self.phases, m, m[1:]):
-                phase_us[p] += a.elapsed_time(b) * 1e3 if cuda else (b - a) * 1e6
+                us = a.elapsed_time(b) * 1e3 if cuda else (b - a) * 1e6
+                phase_us[p] += us
+                per_step[-1] += us
         return RunStats(steps=used, tokens=int(sum(tokens[:used])), stream_steps=int(sum(active[:used])),
                         accepted=int(sum(accepted[:used])),
-                        phase_us=phase_us, wall_us=wall * used / max(steps, 1), cuda_graph=self.graphs is not None)
+                        phase_us=phase_us, step_us=per_step, wall_us=wall * used / max(steps, 1), cuda_graph=self.graphs is not None)
 
     @staticmethod
     def _stamp(cuda):
@@ -475,6 +496,12 @@ class _Stepper:
         return {p: statistics.median(r.get(p, 0.0) for r in runs) for p in runs[0] if p != "end"}
 
 
+def top2_tied(logits: torch.Tensor) -> torch.Tensor:
+    """bool `[..]`: the two largest logits are exactly equal (argmax is then a tie-break)."""
+    top = logits.topk(2, dim=-1).values
+    return top[..., 0] == top[..., 1]
+
+
 class ARStep(_Stepper):
     """Greedy autoregressive decoding: one target forward of one token per stream."""
     phases = ("verify", "accept")
@@ -489,6 +516,7 @@ class ARStep(_Stepper):
         s = self.sess
         logits, _ = s.model(s.bonus.view(-1, 1), s.prefix_len.view(-1, 1), s.cache, s.prefix_len, self.vis)
         self.next = logits[:, 0].argmax(-1)
+        self.tie = top2_tied(logits[:, 0])
 
     def _accept(self):
         s = self.sess
@@ -497,7 +525,7 @@ class ARStep(_Stepper):
         self._record(active, count)
         s.prefix_len += count
         s.bonus.copy_(torch.where(active, self.next, s.bonus))
-        s.emit(self.next.view(-1, 1), count)
+        s.emit(self.next.view(-1, 1), count, self.tie.view(-1, 1))
 
 
 class SpecStep(_Stepper):
@@ -520,23 +548,33 @@ class SpecStep(_Stepper):
         if not 1 <= self.topk <= sess.model.cfg.vocab:
             raise ConfigError(f"top-K {self.topk} must be in 1..vocab")
         dev = sess.device
-        self.acc_probs = torch.zeros(self.depth, device=dev)                  # [L]
+        self.acc_cdf = torch.zeros(self.depth, self.topk, device=dev)         # [L, K] cumulative rank probs
         self.acc_logp = torch.zeros(self.depth, self.topk, device=dev)        # [L, K]
+        self.ranks: RankCounter | None = None     # real mode: set to count the target's drafter ranks
+        self.tied_out = False                     # real mode: record exact top-2 ties of the verify
         self.set_acceptance(acceptance or Acceptance())
 
     def set_acceptance(self, acc: Acceptance) -> None:
-        """Switch the acceptance mode; synthetic parameters live in device buffers, so the
+        """Switch the acceptance mode; the drawn modes' tables live in device buffers, so the
         captured graphs stay valid."""
-        if acc.mode not in ("real", "synthetic", "profile"):
+        if acc.mode not in ("real", "synthetic", "profile", "rank"):
             raise ConfigError(f"unknown acceptance mode {acc.mode!r}")
         if self.graphs is not None and (acc.mode == "real") != (self.acceptance.mode == "real"):
             raise ConfigError("switching between real and drawn acceptance needs a fresh SpecStep")
         self.acceptance = acc
-        if acc.probs is not None:
-            if len(acc.probs) != self.depth:
-                raise ConfigError(f"acceptance profile has {len(acc.probs)} depths, drafter drafts {self.depth}")
-            self.acc_probs.copy_(torch.tensor(acc.probs))
-            self.acc_logp.copy_(profile_logp(acc.probs, self.topk))
+        if acc.probs is not None and len(acc.probs) != self.depth:
+            raise ConfigError(f"acceptance profile has {len(acc.probs)} depths, drafter drafts {self.depth}")
+        if acc.mode != "real":
+            logp, match = acc.tables(self.depth, self.topk)
+            self.acc_logp.copy_(logp)
+            self.acc_cdf.copy_(match.cumsum(-1).float())
+
+    def expected_tokens(self) -> torch.Tensor:
+        """`[N]` analytic E[tokens per step] of the trees the last step built (drawn modes)."""
+        from ddbench.engine.acceptance import tree_expectation
+
+        _, match = self.acceptance.tables(self.depth, self.topk)
+        return tree_expectation(self.parent, self.rank, self.depth_of, match)
 
     # phases ------------------------------------------------------------------------
     def _draft(self):
@@ -546,6 +584,7 @@ class SpecStep(_Stepper):
     def _tree(self):
         s = self.sess
         logp, ids = self.kern.topk_from_logits(self.d_logits, self.topk)         # [N, L, K] each
+        self.ids = ids
         if self.acceptance.mode != "real":
             logp = self.acc_logp.expand_as(logp).contiguous()
         tree = self.kern.build_tree(logp, ids, self.budget)
@@ -558,8 +597,13 @@ class SpecStep(_Stepper):
     def _verify(self):
         s = self.sess
         positions = s.prefix_len.view(-1, 1) + self.depth_of                  # [N, T]
+        if s.routing is not None:                                             # overlap routing follows the tree
+            s.routing.tree = (self.parent, self.depth_of, self.depth)
         logits, self.hid = s.model(self.token, positions, s.cache, s.prefix_len, self.visible, s.hidden_layers)
+        if s.routing is not None:
+            s.routing.tree = None
         self.argmax = logits.argmax(-1)                                       # [N, T]
+        self.tie = top2_tied(logits) if self.tied_out else None               # [N, T]
 
     def _accept(self):
         s = self.sess
@@ -567,13 +611,17 @@ class SpecStep(_Stepper):
         if self.acceptance.mode == "real":
             acc, _, new_bonus = self.kern.greedy_accept(self.parent, self.token, self.argmax, self.depth)
             acc = acc.long()                                                  # [N, L+1]
-        else:
-            u = torch.rand(n, self.depth, device=self.acc_probs.device)       # [N, L]
-            acc = rank0_path(self.parent, self.rank, self.depth_of, drawn_tokens(u, self.acc_probs), self.depth)
+        else:                     # the target's drafter rank at every depth, drawn; its matching path
+            u = torch.rand(n, self.depth, device=self.acc_cdf.device)         # [N, L]
+            acc = matched_path(self.parent, self.rank, self.depth_of, draw_ranks(u, self.acc_cdf), self.depth)
             new_bonus = None
         active = ~s.done
         acc = torch.where(active.view(n, 1), acc, -1)                        # [N, L+1]
         count = (acc >= 0).sum(-1)                                            # [N] tokens incl. bonus
+        if self.ranks is not None:   # target token at depth d+1 = argmax at the path's depth-d node
+            target = self.argmax.gather(1, acc[:, :self.depth].clamp(min=0))  # [N, L]
+            seen = torch.arange(self.depth, device=acc.device).view(1, -1) < count.view(n, 1)
+            self.ranks.add(self.d_logits, target, seen & active.view(n, 1))
         last = acc.gather(1, (count - 1).clamp(min=0).view(n, 1))              # [N, 1] last accepted node
         if new_bonus is None:
             new_bonus = self.argmax.gather(1, last.clamp(min=0)).squeeze(1)
@@ -584,7 +632,8 @@ class SpecStep(_Stepper):
         emit.scatter_(1, (count - 1).clamp(min=0).view(n, 1), new_bonus.long().view(n, 1))
         self._record(active, count)
         self.acc, self.count, self.new_bonus = acc, count, new_bonus.long()
-        s.emit(emit, count)
+        # output c came from the target's argmax at path node c (accepted or the new bonus)
+        s.emit(emit, count, self.tie.gather(1, acc.clamp(min=0)) if self.tie is not None else None)
 
     def _context(self):
         s = self.sess

@@ -9,8 +9,8 @@ import torch
 from ddbench.engine.config import ConfigError, preset
 from ddbench.engine.drafter import Drafter, drafter_config
 from ddbench.engine.model import Transformer
-from ddbench.engine.spec import (ARStep, Session, SpecStep, drawn_tokens, expected_tokens, parse_acceptance,
-                         profile_logp, rank0_path, read_profile, tau_probs)
+from ddbench.engine.acceptance import draw_ranks, matched_path
+from ddbench.engine.spec import ARStep, Session, SpecStep, expected_tokens, parse_acceptance, read_profile, tau_probs
 from ddbench.engine.weights import init_random
 from ddbench.kernels import ddtree
 
@@ -156,24 +156,28 @@ def test_tau_probs_hit_the_mean(tau, depth):
     assert len(probs) == depth and abs(expected_tokens(probs) - tau) < 1e-6
 
 
-def test_drawn_tokens_mean_and_rank0_walk():
-    """Draws have mean TAU; the walk follows the rank-0 chain of a real tree, matches a
+def test_chain_draws_mean_and_rank0_walk():
+    """A chain mode's rank draws (rank 0 with a_d, else a miss) give TAU tokens per step on
+    a full chain; the matched path follows the rank-0 chain of a real tree, matches a
     Python walk, and is cut where the tree's chain ends."""
     depth, k, n = 7, 4, 4000
-    probs = tau_probs(3.5, depth)
+    acc_mode = parse_acceptance("synthetic:3.5", depth)
+    logp, match = acc_mode.tables(depth, k)
+    cdf = match.cumsum(-1).float()
     g = torch.Generator().manual_seed(0)
-    u = torch.rand(n, depth, generator=g)
-    want = drawn_tokens(u, torch.tensor(probs))
-    assert abs(want.float().mean().item() - 3.5) < 0.1 and int(want.min()) >= 1 and int(want.max()) <= depth + 1
-    logp = profile_logp(probs, k).expand(3, depth, k).contiguous()
+    ranks = draw_ranks(torch.rand(n, depth, generator=g), cdf)                  # 0 or k
+    assert set(ranks.unique().tolist()) <= {0, k}
+    want = 1 + (ranks == 0).long().cumprod(-1).sum(-1)
+    assert abs(want.float().mean().item() - 3.5) < 0.1
+    logp = logp.expand(3, depth, k).contiguous()
     ids = torch.randint(0, 100, (3, depth, k), generator=g)
     for budget in (3, 12, 40):
         tree = ddtree.build_tree_ref(logp, ids, budget)
-        w = torch.tensor([1, 4, depth + 1])
-        acc = rank0_path(tree.parent.long(), tree.rank.long(), tree.depth.long(), w, depth)
-        for b in range(3):
+        target = torch.tensor([[k] * depth, [0, 0, 0] + [k] * (depth - 3), [0] * depth])   # want 1, 4, depth + 1
+        acc = matched_path(tree.parent.long(), tree.rank.long(), tree.depth.long(), target, depth)
+        for b, w in enumerate((1, 4, depth + 1)):
             path, cur = [0], 0
-            while len(path) < int(w[b]):
+            while len(path) < w:
                 kids = [j for j in range(budget + 1) if tree.parent[b, j] == cur and tree.rank[b, j] == 0]
                 if not kids:
                     break
