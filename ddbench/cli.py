@@ -33,11 +33,6 @@ GPUS = typer.Option(None, "--gpus", help="Processes/GPUs for a real TP run (= --
 CONCURRENCY = typer.Option("1,10", "--concurrency", help="Streams decoded together: '1,10' or '1-4'.")
 OVERRIDE = typer.Option(None, "--override", "-o", help="Config field override FIELD=VALUE (repeatable).")
 
-KERNELS = typer.Option("default", "--kernels",
-                       help="Kernel choice FIELD=VALUE,..: moe=auto|marlin|triton|gemv|torch, attn=auto|cluster|split, "
-                            "pdl=on|wait|off, route=fused|separate, gemv=none|rope+add+.. (of linear, head, add, "
-                            "rope, norm), skinny=ROWS (0: off), stream=on|off; unnamed fields keep their defaults "
-                            "(`ddbench env` prints them). Recorded, resolved, in the sidecar.")
 
 def _version(value: bool) -> None:
     if value:
@@ -103,10 +98,8 @@ def check_output(out: Path, name: Optional[str] = None) -> None:
 
 @app.command()
 @user_errors
-def env(json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the facts to this JSON file."),
-        kernels: str = KERNELS):
-    """GPU(s), driver, CUDA, torch, triton, NCCL, clocks, memory and interconnect, and what
-    the kernel choice (--kernels) runs on this machine."""
+def env(json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the facts to this JSON file.")):
+    """GPU(s), driver, CUDA, torch, triton, NCCL, clocks, memory and interconnect."""
     from ddbench.envinfo import run
     from ddbench.results import ensure_out_dir
 
@@ -175,8 +168,6 @@ def moe_sweep(
     preset: Optional[str] = typer.Option(None, "--preset", help="Model preset (default: k2.6 on a GPU, tiny on the CPU)."),
     tp: int = typer.Option(8, "--tp", help="Tensor-parallel degree: 8 = one rank's shard, 1 = the whole layer."),
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Token counts, e.g. '1,16,256' or '1-8' "
-    kernel: str = typer.Option("auto", "--kernel", help="GPU MoE kernel of the triton backend: auto (the "
-                               "measured rule, kernels.moe.resolve_moe_kernel), marlin, triton or gemv."),
                                          "(default 1,2,4,...,4096)."),
     routing: str = typer.Option("uniform", "--routing", help="Comma list of uniform, skewed, balanced, router "
                                 "(K2.6's router on a random router weight)."),
@@ -193,6 +184,8 @@ def moe_sweep(
                                          "(list of {max_per_expert, block_m, ...}); default: the built-in one."),
     hot: int = typer.Option(16, "--hot", help="skewed routing: number of hot experts."),
     hot_share: float = typer.Option(0.5, "--hot-share", help="skewed routing: probability mass of the hot experts."),
+    kernel: str = typer.Option("auto", "--kernel", help="GPU MoE kernel of the triton backend: auto (the "
+                               "measured rule, kernels.moe.resolve_moe_kernel), marlin, triton or gemv."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     name: Optional[str] = typer.Option(None, "--name", help="Output name (default moe_sweep_tp{tp}_{timestamp})."),
     seed: int = SEED, out: Path = OUT,
