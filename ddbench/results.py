@@ -209,7 +209,7 @@ class ResultWriter:
     def __init__(self, out: Path, kind: str, meta: dict | None = None, name: str | None = None,
                  append: bool = False):
         self.kind = kind
-        self.name = name or f"{kind}_{timestamp()}"
+        self.name = name if name is not None else f"{kind}_{timestamp()}"
         check_name(self.name)
         self.out = ensure_out_dir(out)
         self.path = self.out / f"{self.name}.csv"

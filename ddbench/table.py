@@ -34,8 +34,8 @@ def fmt_value(v) -> str:
 
 
 def _right(cells: list[str]) -> bool:
-    """Numbers (any cell with a digit, or '-') align right; words align left."""
-    return any(any(ch.isdigit() for ch in c) for c in cells)
+    """Numbers ('12.5', '1 GiB', '3.0..4.1', '-') align right; words align left."""
+    return all(c[:1].isdigit() or c[:1] in "-+." for c in cells)
 
 
 def render(rows: Sequence[dict], columns: Sequence[str] | None = None, *, key: Sequence[str] = (),

@@ -66,6 +66,17 @@ def test_two_ranks_sum_rows_and_columns(two_ranks):
     assert fit["n_ranks"] == 2 and fit["lat_us"] >= 0 and set(fit["decode_step_us"]) == {"1", "16", "160"}
 
 
+def test_table_fits_80_columns(tmp_path, capfd):
+    """Rank 0 prints the table (a process of its own: its stdout is not a terminal, 80 columns)."""
+    invoke(tmp_path, "--gpus", "1", "--min-bytes", "1M", "--max-bytes", "4M", "--reps", "1", "--warmup", "0",
+           "--tokens", "1,16", "--model")
+    lines = capfd.readouterr().out.splitlines()
+    assert lines and all(len(ln) <= 80 for ln in lines), lines
+    header = next(ln.split() for ln in lines if ln.split()[:1] == ["size"])
+    assert {"time_us", "p20..p80", "busbw", "wrong"} <= set(header)
+    assert any(ln.split()[:2] == ["4", "MiB"] for ln in lines)
+
+
 def test_four_ranks_fp32_busbw_formula(tmp_path):
     rows, meta, _ = invoke(tmp_path, "--gpus", "4", "--dtype", "fp32", "--min-bytes", "64", "--max-bytes", "1K",
                            "--tokens", "none")

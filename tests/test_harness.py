@@ -51,3 +51,58 @@ def test_cpu_bench_counts_calls():
     calls = []
     st = bench(lambda: calls.append(1), warmup=2, reps=5)
     assert len(calls) == 7 and st.n == 5 and st.median_us >= 0
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "", "x" * 201, "a\nb", "a..b"])
+def test_bad_names_refused_before_any_file(tmp_path, name):
+    from ddbench.results import check_output
+
+    with pytest.raises(UserError, match="--name"):
+        check_output(tmp_path / "out", name)
+    with pytest.raises(UserError, match="--name"):
+        ResultWriter(tmp_path / "out", "demo", name=name)
+    assert not (tmp_path / "out").exists()
+
+
+def test_sidecar_exists_from_the_start(tmp_path):
+    w = ResultWriter(tmp_path, "demo", name="s1")
+    meta = json.loads((tmp_path / "s1.json").read_text())
+    assert meta["completed"] is False and meta["status"] == "running" and meta["csv"] == "s1.csv.partial"
+    w.write({"a": 1})
+    w.close()
+    meta = json.loads((tmp_path / "s1.json").read_text())
+    assert meta["completed"] is True and meta["status"] == "completed" and meta["csv"] == "s1.csv"
+
+
+def test_user_error_with_no_rows_leaves_no_files(tmp_path):
+    with pytest.raises(UserError):
+        with ResultWriter(tmp_path, "demo", name="e1"):
+            raise UserError("found late")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError):  # a crash is recorded; its sidecar names no CSV
+        with ResultWriter(tmp_path, "demo", name="e2"):
+            raise RuntimeError("boom")
+    meta = json.loads((tmp_path / "e2.json").read_text())
+    assert meta["csv"] is None and "boom" in meta["error"] and [p.name for p in tmp_path.iterdir()] == ["e2.json"]
+
+
+def test_stopped_run_moved_aside_finished_run_refused(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        with ResultWriter(tmp_path, "demo", name="k") as w:
+            w.write({"a": 7})
+            raise KeyboardInterrupt
+    with ResultWriter(tmp_path, "demo", name="k") as w:  # the stopped run is not in the way
+        w.write({"a": 8})
+    (aside,) = tmp_path.glob("k_incomplete_*.csv")
+    assert aside.read_text().splitlines() == ["a", "7"]
+    with pytest.raises(UserError, match="exists"):
+        ResultWriter(tmp_path, "demo", name="k")
+
+
+def test_atomic_write_leaves_no_temporary_on_error(tmp_path):
+    from ddbench.results import atomic_write_text
+
+    (tmp_path / "d").mkdir()
+    with pytest.raises(OSError):
+        atomic_write_text(tmp_path / "d", "x")  # a folder cannot be replaced by a file
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]
