@@ -352,19 +352,14 @@ def _row(cfg, backend, stage, routing, t, case, roof, st, copy_gbps, gemm_tf, er
 
 
 def _table(console, rows, copy_gbps, gemm_tf) -> None:
-    from rich.table import Table
+    from ddbench.table import print_table
 
-    tab = Table(title=f"moe-sweep, whole layer (copy {copy_gbps:.0f} GB/s, GEMM {gemm_tf:.3g} TFLOP/s)")
-    for c in ("backend", "routing", "T", "graph", "experts", "time_us", "GB/s", "%copy", "TFLOP/s", "%gemm", "rel_err"):
-        tab.add_column(c, justify="right")
-    for r in rows:
-        if r["stage"] != "layer":
-            continue
-        tab.add_row(r["backend"], r["routing"], str(r["tokens"]), "y" if r["cuda_graph"] else "n",
-                    f"{r['experts_touched']:.0f}", f"{r['time_us']:.1f}", f"{r['achieved_gbps']:.0f}",
-                    f"{r['pct_of_copy_bw']:.1f}", f"{r['tflops']:.2f}", f"{r['pct_of_gemm_peak']:.1f}",
-                    r["rel_err"] or "-")
-    console.print(tab)
+    print_table([{"backend": r["backend"], "routing": r["routing"], "T": r["tokens"], "graph": r["cuda_graph"],
+                  "experts": r["experts_touched"], "time_us": r["time_us"], "GB/s": r["achieved_gbps"],
+                  "%copy": r["pct_of_copy_bw"], "TFLOP/s": r["tflops"], "%gemm": r["pct_of_gemm_peak"],
+                  "rel_err": r["rel_err"]} for r in rows if r["stage"] == "layer"],
+                key=("backend", "routing", "T", "time_us", "%copy"), console=console,
+                title=f"moe-sweep, whole layer (copy {copy_gbps:.0f} GB/s, GEMM {gemm_tf:.3g} TFLOP/s)")
 
 
 # ---------------------------------------------------------------- plots for `ddbench report`
