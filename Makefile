@@ -22,6 +22,7 @@ test: install
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu and not slow"
 
 test-all: install
+	$(VPY) -m pip install -q -e '.[test,serve]'
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q
 
 bench: install
