@@ -389,11 +389,12 @@ def baseline(runs, labels, out, fmt, engine=None):
         key = d["label"].astype(str) if "label" in d else pd.Series(run.name, index=d.index)
         for name, g in d.groupby(key):
             g = g.groupby("c")["t"].max().sort_index()
-            series.append((_join(run_label(run, labels, runs), name), "s--", g))
+            series.append((name, "s--", g))  # the label column names the server
     for name, pts in engine or []:
         series.append((name, "o-", pd.Series(pts).sort_index()))
+    made = _latency_cdf(runs, labels, out, fmt)
     if not series:
-        return []
+        return made
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     allc = set()
     for name, style, g in series:
@@ -408,7 +409,32 @@ def baseline(runs, labels, out, fmt, engine=None):
            title="Output throughput vs concurrency: SGLang reference and this engine")
     ax.grid(alpha=0.3)
     _legend(ax)
-    return [("Output tok/s vs concurrency", save(fig, out, "baseline_throughput", fmt))]
+    return [("Output tok/s vs concurrency", save(fig, out, "baseline_throughput", fmt))] + made
+
+
+def _latency_cdf(runs, labels, out, fmt):
+    """TTFT and TPOT distributions (CDF) per (run, concurrency) of the per-request CSVs."""
+    curves = []
+    req = [(r, d) for r, d in runs if r.kind == "baseline_requests"]
+    for run, df in req:
+        if not {"ok", "ttft_ms", "tpot_ms", "concurrency"} <= set(df.columns):
+            continue
+        df = df[num(df, "ok") == 1]
+        for c, g in df.groupby("concurrency"):
+            curves.append((_join(run.name if len(req) > 1 else "", f"c={c}"), g))
+    if not curves:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, col, what in zip(axes, ("ttft_ms", "tpot_ms"), ("TTFT", "TPOT")):
+        for name, g in curves:
+            v = np.sort(num(g, col).dropna().to_numpy())
+            if len(v):
+                ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=name)
+        ax.set(xlabel=f"{what} (ms)", ylabel="fraction of requests", title=f"{what} distribution (CDF)")
+        ax.grid(alpha=0.3)
+    _legend(axes[0])
+    fig.suptitle(run_title(req, labels), fontsize=10)
+    return [("TTFT and TPOT distributions", save(fig, out, "baseline_latency_cdf", fmt))]
 
 
 PLOTS = {"moe-sweep": moe_sweep, "allreduce": allreduce, "tree-bench": tree_bench, "decode": decode,

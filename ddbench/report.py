@@ -373,6 +373,11 @@ def run(paths, out: Path, fmt: str = "png", runs: str | None = None, results_md:
             continue
         by_cmd.setdefault(r.command, []).append((r, df))
     chosen_paths = {r.csv.resolve() for r in chosen}
+    for r in found:  # the SGLang reference stays beside whichever baseline run is the latest
+        if r.kind == "baseline" and r.meta.get("source") == "reference" and r.csv.resolve() not in chosen_paths:
+            df = load(r)
+            if df is not None:
+                by_cmd.setdefault("baseline", []).append((r, df))
     reference = reference_rows(found, chosen_paths)
     secs = sections(by_cmd, reference)
     head = summary(by_cmd, reference)
