@@ -317,7 +317,7 @@ def _pick_kernel(kernel: str, t: int, cfg, w, dev, dtype, n_sms: int, table):
     except ValueError as e:
         raise UserError(f"--kernel {kernel}: {e}") from None
     if name == "marlin":
-        return name, "ng{ng}s{stages}w{warps}k{splits}".format(**tiles), tiles
+        return name, "ng{ng}s{stages}w{warps}k{splits}b{w2b}".format(**tiles), tiles
     mcfg = MoeTritonConfig(**tiles)
     if table is not None:   # --tiles replaces the built-in table
         mcfg = default_config(t, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden, n_sms, table)

@@ -6,8 +6,8 @@
 //             and row count, and the number of blocks (read by the GEMMs, never by the host);
 //   moe_w13   x [T, H] -> act [rows, I] (sorted rows): SiLU(gate) * up;
 //   moe_w2    act -> out [T, H] bf16: each row times its top-k weight, summed over the k slots.
-// Work items: w13 (block, gate/up block pair p, K split s), w2 (block, pair of 64-column
-// Marlin blocks p). Every warp of the grid takes items i = warp, warp + warps, ... (a
+// Work items: w13 (block, gate/up block pair p, K split s), w2 (block, W2B consecutive
+// 64-column Marlin blocks p). Every warp of the grid takes items i = warp, warp + warps, ... (a
 // persistent loop over a count read from memory) and streams its weights through a private
 // ring of STAGES stages in shared memory (cp.async, evict-first): each lane copies and reads
 // back only its own 16-byte words, scales and activation pairs, so the ring needs no barrier.
@@ -27,12 +27,12 @@
 // k items in slot order. Tickets are reset by their last user, so buffers stay zero.
 //
 // Compile-time: NG (8-token groups an item), STAGES, WARPS (a program), G (group size), K
-// dims H (hidden), I (intermediate), TOPK.
+// dims H (hidden), I (intermediate), TOPK, W2B (w2's Marlin blocks an item).
 #include "common.cuh"
 
 #define CH (8 * NG)
 #define THREADS (WARPS * 32)
-#define STAGE_U4 (6 + NG)                     // per lane and stage: 4 word, 2 scale, NG x-pair vectors
+#define STAGE_U4(NBLK) (3 * (NBLK) + NG)      // per lane and stage: 2 word + 1 scale vectors a block, NG x pairs
 #define MAXE 1024
 
 __device__ __forceinline__ unsigned long long evict_first() {
@@ -121,10 +121,10 @@ moe_plan(const int* ids, int n, int n_experts, int* sorted, int* block_expert, i
 
 // ------------------------------------------------------------------------------------ streaming
 
-// acc[j][tile][ng][4] += rows n of Marlin blocks nb0 + j*nb_step (j = 0, 1) of expert e over
+// acc[j][tile][ng][4] += rows n of Marlin blocks nb0 + j*nb_step (j < NBLK) of expert e over
 // stages [st0, st1) (32 K rows each), times the B rows xrow[ng] (bf16, K contiguous)
-template <int KDIM, int NDIM>
-__device__ __forceinline__ void stream(float (&acc)[2][4][NG][4], uint4* ring, const unsigned* w, const unsigned short* s,
+template <int KDIM, int NDIM, int NBLK>
+__device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring, const unsigned* w, const unsigned short* s,
                                        int e, int nb0, int nb_step, int st0, int st1,
                                        const unsigned short* const (&xrow)[NG], const bool (&xval)[NG], int ngv,
                                        unsigned long long pol)
@@ -133,19 +133,19 @@ __device__ __forceinline__ void stream(float (&acc)[2][4][NG][4], uint4* ring, c
     const unsigned* wl = w + (long)e * (KDIM / 16) * (2 * NDIM) + lane * 4;
     const unsigned short* sl = s + (long)e * (KDIM / G) * NDIM + g * 8;
     auto issue = [&](int st) {
-        uint4* slot = ring + (st % STAGES) * STAGE_U4 * 32 + lane;
+        uint4* slot = ring + (st % STAGES) * STAGE_U4(NBLK) * 32 + lane;
         if (st < st1) {
             const int kt = 2 * st;
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
+            for (int j = 0; j < NBLK; j++) {
                 const int nb = nb0 + j * nb_step;
                 cp16_ef(smem_addr(slot + (2 * j) * 32), wl + (long)kt * (2 * NDIM) + nb * 128, pol);
                 cp16_ef(smem_addr(slot + (2 * j + 1) * 32), wl + (long)(kt + 1) * (2 * NDIM) + nb * 128, pol);
-                cp16(smem_addr(slot + (4 + j) * 32), sl + (long)(kt * 16 / G) * NDIM + nb * 64);
+                cp16(smem_addr(slot + (2 * NBLK + j) * 32), sl + (long)(kt * 16 / G) * NDIM + nb * 64);
             }
 #pragma unroll
             for (int ng = 0; ng < NG; ng++) {
-                const unsigned dst = smem_addr(slot + (6 + ng) * 32);
+                const unsigned dst = smem_addr(slot + (3 * NBLK + ng) * 32);
                 const unsigned short* xr = xrow[ng] + 32 * st + 2 * t;
 #pragma unroll
                 for (int i = 0; i < 4; i++) cp4z(dst + 4 * i, xr + 8 * i, xval[ng]);   // k 2t, 2t+8, 2t+16, 2t+24
@@ -158,18 +158,18 @@ __device__ __forceinline__ void stream(float (&acc)[2][4][NG][4], uint4* ring, c
     for (int st = st0; st < st1; st++) {
         issue(st + STAGES - 1);
         cp_wait<STAGES - 1>();
-        const uint4* slot = ring + (st % STAGES) * STAGE_U4 * 32 + lane;
+        const uint4* slot = ring + (st % STAGES) * STAGE_U4(NBLK) * 32 + lane;
         uint4 xv[NG];
         float c0[NG][4];                                    // zero: each group's product starts here
 #pragma unroll
         for (int ng = 0; ng < NG; ng++) {
-            xv[ng] = slot[(6 + ng) * 32];
+            xv[ng] = slot[(3 * NBLK + ng) * 32];
 #pragma unroll
             for (int i = 0; i < 4; i++) c0[ng][i] = 0.f;
         }
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const uint4 w0 = slot[(2 * j) * 32], w1 = slot[(2 * j + 1) * 32], sc = slot[(4 + j) * 32];
+        for (int j = 0; j < NBLK; j++) {
+            const uint4 w0 = slot[(2 * j) * 32], w1 = slot[(2 * j + 1) * 32], sc = slot[(2 * NBLK + j) * 32];
             const unsigned wq0[4] = {w0.x, w0.y, w0.z, w0.w}, wq1[4] = {w1.x, w1.y, w1.z, w1.w};
             const unsigned sq[4] = {sc.x, sc.y, sc.z, sc.w};
 #pragma unroll
@@ -197,9 +197,10 @@ __device__ __forceinline__ void stream(float (&acc)[2][4][NG][4], uint4* ring, c
     cp_wait<0>();
 }
 
-__device__ __forceinline__ void zero(float (&acc)[2][4][NG][4]) {
+template <int NBLK>
+__device__ __forceinline__ void zero(float (&acc)[NBLK][4][NG][4]) {
 #pragma unroll
-    for (int j = 0; j < 2; j++)
+    for (int j = 0; j < NBLK; j++)
 #pragma unroll
         for (int f = 0; f < 4; f++)
 #pragma unroll
@@ -222,7 +223,7 @@ moe_w13(const unsigned short* x,                                  // bf16 [T, H]
 {
     extern __shared__ uint4 smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    uint4* ring = smem + warp * STAGES * STAGE_U4 * 32;
+    uint4* ring = smem + warp * STAGES * STAGE_U4(2) * 32;
     const unsigned long long pol = evict_first();
     constexpr int P = I / 64, NST = H / 32;
     const int total = *n_blocks * P * splits, per = (NST + splits - 1) / splits;
@@ -238,9 +239,9 @@ moe_w13(const unsigned short* x,                                  // bf16 [T, H]
             xrow[ng] = x + (xval[ng] ? (long)(sorted[blk * CH + r] / TOPK) * H : 0);
         }
         float acc[2][4][NG][4];
-        zero(acc);
+        zero<2>(acc);
         const int st0 = sp * per, st1 = min(NST, st0 + per);
-        stream<H, 2 * I>(acc, ring, w, s, e, p, P, st0, st1, xrow, xval, ngv, pol);
+        stream<H, 2 * I, 2>(acc, ring, w, s, e, p, P, st0, st1, xrow, xval, ngv, pol);
         if (splits == 1) {
 #pragma unroll
             for (int f = 0; f < 4; f++)
@@ -297,14 +298,14 @@ moe_w2(const unsigned short* act,                                 // bf16 [rows_
        const int* sorted, const int* block_expert, const int* block_rows, const int* n_blocks,
        const float* topk_w,                                       // fp32 [T*k]
        float* ypart,                                              // fp32 [T*k, H]
-       int* tickets,                                              // [T, H/128], zero
+       int* tickets,                                              // [T, H/(64 W2B)], zero
        unsigned short* out)                                       // bf16 [T, H]
 {
     extern __shared__ uint4 smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    uint4* ring = smem + warp * STAGES * STAGE_U4 * 32;
+    uint4* ring = smem + warp * STAGES * STAGE_U4(W2B) * 32;
     const unsigned long long pol = evict_first();
-    constexpr int P = H / 128, NST = I / 32;
+    constexpr int P = H / (64 * W2B), NST = I / 32;
     const int total = *n_blocks * P;
     for (int item = blockIdx.x * WARPS + warp; item < total; item += gridDim.x * WARPS) {
         const int p = item % P, blk = item / P;
@@ -317,9 +318,9 @@ moe_w2(const unsigned short* act,                                 // bf16 [rows_
             xval[ng] = r < rows;
             xrow[ng] = act + (xval[ng] ? (long)(blk * CH + r) * I : 0);
         }
-        float acc[2][4][NG][4];
-        zero(acc);
-        stream<I, H>(acc, ring, w, s, e, 2 * p, 1, 0, NST, xrow, xval, ngv, pol);
+        float acc[W2B][4][NG][4];
+        zero<W2B>(acc);
+        stream<I, H, W2B>(acc, ring, w, s, e, W2B * p, 1, 0, NST, xrow, xval, ngv, pol);
         const int my = lane < rows ? sorted[blk * CH + lane] : 0;   // lane r: row r's assignment
 #pragma unroll
         for (int ng = 0; ng < NG; ng++)
@@ -330,10 +331,10 @@ moe_w2(const unsigned short* act,                                 // bf16 [rows_
                 if (r < rows) {
                     const float wt = topk_w[asg];
 #pragma unroll
-                    for (int j = 0; j < 2; j++)
+                    for (int j = 0; j < W2B; j++)
 #pragma unroll
                         for (int f = 0; f < 4; f++)
-                            ypart[(long)asg * H + (2 * p + j) * 64 + 16 * f + g + 8 * (i >> 1)] = acc[j][f][ng][i] * wt;
+                            ypart[(long)asg * H + (W2B * p + j) * 64 + 16 * f + g + 8 * (i >> 1)] = acc[j][f][ng][i] * wt;
                 }
             }
         __threadfence();
@@ -351,11 +352,11 @@ moe_w2(const unsigned short* act,                                 // bf16 [rows_
             mask &= mask - 1;
             const int tok = __shfl_sync(0xffffffffu, my, r) / TOPK;
 #pragma unroll
-            for (int c = lane; c < 128; c += 32) {
+            for (int c = lane; c < 64 * W2B; c += 32) {
                 float sum = 0.f;
 #pragma unroll
-                for (int j = 0; j < TOPK; j++) sum += ld_f32(ypart + (long)(tok * TOPK + j) * H + p * 128 + c);
-                out[(long)tok * H + p * 128 + c] = to_bf16(sum);
+                for (int j = 0; j < TOPK; j++) sum += ld_f32(ypart + (long)(tok * TOPK + j) * H + p * 64 * W2B + c);
+                out[(long)tok * H + p * 64 * W2B + c] = to_bf16(sum);
             }
         }
     }

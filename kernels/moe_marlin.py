@@ -10,7 +10,7 @@ computes in three launches and no host syncs (CUDA-graph safe):
 2. `moe_w13`: one work item a (block, 64 gate + 64 up rows, K split), taken by the warps of
    a persistent grid; SiLU(gate) * up in the epilogue (a split-K item's partials are summed,
    in split order, by the last split to finish);
-3. `moe_w2`: one work item a (block, 128 output columns); each row times its top-k weight,
+3. `moe_w2`: one work item a (block, 64*w2b output columns); each row times its top-k weight,
    and the last of a token's k items sums its k rows in slot order and writes bf16.
 
 `plan_ref` is the planning in torch (runs on the CPU) and `work_split` the host's choice of
@@ -27,13 +27,16 @@ import torch
 MAXE = 1024            # experts the planning program takes (one thread each)
 STAGE_BYTES = 512      # per 16-byte vector a lane holds in a stage: 32 lanes x 16 bytes
 MAX_SPLITS = 32
-# (max tokens per expert T*k/E, NG 8-token groups an item, STAGES, WARPS a program); first match.
+# (max tokens per expert T*k/E, NG 8-token groups an item, STAGES, WARPS a program, W2B w2's
+# 64-column Marlin blocks an item); first match.
 # H200, K2.6 TP-8 shard, uniform, CUDA graphs (scripts/gpu/moe_marlin_check.py, whole layer, us,
 # NG 1/2/4): T=64 338/374/658, T=128 436/429/780, T=512 755/670/959, T=2048 2372/1829/1988,
-# T=4096 4468/3367/3379
-TILES: list[tuple[float, int, int, int]] = [
-    (2.0, 1, 4, 4),
-    (float("inf"), 2, 4, 4),
+# T=4096 4468/3367/3379; w2b 1/2/4 at NG 1: T=2 32.4/33.8/37.2, T=8 69.4/71.8/75.6, T=64
+# 340.5/335.2/351.9 (moe_marlin_check_w2_blocks.csv)
+TILES: list[tuple[float, int, int, int, int]] = [
+    (0.17, 1, 4, 4, 1),
+    (2.0, 1, 4, 4, 2),
+    (float("inf"), 2, 4, 4, 2),
 ]
 
 
@@ -47,15 +50,17 @@ def fits(x: torch.Tensor, topk_ids: torch.Tensor, w) -> bool:
 
 
 def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
-    """{"ng", "stages", "warps"} of the first TILES row whose bound holds T*k/E."""
+    """{"ng", "stages", "warps", "w2b"} of the first TILES row whose bound holds T*k/E."""
     per_expert = tokens * top_k / n_experts
-    _, ng, stages, warps = next(r for r in (table or TILES) if per_expert <= r[0])
-    return {"ng": ng, "stages": stages, "warps": warps}
+    _, ng, stages, warps, w2b = next(r for r in (table or TILES) if per_expert <= r[0])
+    return {"ng": ng, "stages": stages, "warps": warps, "w2b": w2b}
 
 
-def shared_bytes(tiles: dict) -> int:
-    """A program's ring: warps x stages x (4 word + 2 scale + NG activation vectors) x 512 bytes."""
-    return tiles["warps"] * tiles["stages"] * (6 + tiles["ng"]) * STAGE_BYTES
+def shared_bytes(tiles: dict, kernel: str = "moe_w13") -> int:
+    """A program's ring: warps x stages x (2 word + 1 scale vectors a Marlin block (w13: 2, w2:
+    w2b) + NG activation vectors) x 512 bytes."""
+    blocks = 2 if kernel == "moe_w13" else tiles["w2b"]
+    return tiles["warps"] * tiles["stages"] * (3 * blocks + tiles["ng"]) * STAGE_BYTES
 
 
 def max_blocks(assignments: int, n_experts: int, ch: int) -> int:
@@ -115,10 +120,10 @@ def emulate_a_fragment(word: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str, ng: int, stages: int, warps: int, group: int, hidden: int, inter: int, top_k: int,
-            device: torch.device):
+            device: torch.device, w2b: int = 2):
     from ddbench.kernels.cuda import Kernel
     return Kernel("moe_marlin.cu", name, {"NG": ng, "STAGES": stages, "WARPS": warps, "G": group, "H": hidden,
-                                          "I": inter, "TOPK": top_k}, device)
+                                          "I": inter, "TOPK": top_k, "W2B": w2b}, device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,15 +131,15 @@ def _grid(name: str, tiles: tuple, group: int, hidden: int, inter: int, top_k: i
     from ddbench.kernels.cuda import occupancy
 
     t = dict(tiles)
-    k = _kernel(name, t["ng"], t["stages"], t["warps"], group, hidden, inter, top_k, device)
-    per_sm = occupancy(k, 32 * t["warps"], shared_bytes(t))
+    k = _kernel(name, t["ng"], t["stages"], t["warps"], group, hidden, inter, top_k, device, t["w2b"])
+    per_sm = occupancy(k, 32 * t["warps"], shared_bytes(t, name))
     if per_sm < 1:
         raise ValueError(f"moe_marlin: tiles {t} do not fit one SM")
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _key(tiles: dict) -> tuple:
-    return tuple((k, tiles[k]) for k in ("ng", "stages", "warps"))
+    return tuple((k, tiles[k]) for k in ("ng", "stages", "warps", "w2b"))
 
 
 _TICKETS: dict = {}
@@ -153,6 +158,9 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
 def resolve_tiles(tokens: int, top_k: int, w, device: torch.device, tiles: dict | None = None) -> dict:
     """The full tile dict a call runs: tiles_for's (or `tiles`'), plus w13's `splits`."""
     t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
+    t.setdefault("w2b", 2)
+    if t["w2b"] not in (1, 2, 4) or w.hidden % (64 * t["w2b"]):
+        raise ValueError(f"moe_marlin: w2b {t['w2b']} must be 1, 2 or 4 and divide H/64 = {w.hidden // 64}")
     grid = _grid("moe_w13", _key(t), w.group_size, w.hidden,
                  w.inter, top_k, device)
     t.setdefault("splits", work_split(tokens, top_k, w.n_experts, w.inter, w.hidden, grid * t["warps"]))
@@ -187,9 +195,9 @@ def marlin_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict) -> t
     part = torch.empty(splits * rows * 2 * i if splits > 1 else 1, dtype=torch.float32, device=dev)
     tk = _tickets(dev, block_expert.numel() * (i // 64))
     key = _key(tiles)
-    k = _kernel("moe_w13", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev)
+    k = _kernel("moe_w13", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"])
     grid = _grid("moe_w13", key, w.group_size, h, i, top_k, dev)
-    k(grid, 32 * tiles["warps"], shared_bytes(tiles),
+    k(grid, 32 * tiles["warps"], shared_bytes(tiles, "moe_w13"),
       [x.contiguous(), w.w13, w.w13_scale, sorted_ids, block_expert, block_rows, n_blocks, splits, rows, part, tk, act])
     return act
 
@@ -202,11 +210,11 @@ def marlin_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, 
     h, i, dev = w.hidden, w.inter, act.device
     out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     ypart = torch.empty(t * top_k, h, dtype=torch.float32, device=dev)
-    tk = _tickets(dev, t * (h // 128))
+    tk = _tickets(dev, t * (h // (64 * tiles["w2b"])))
     key = _key(tiles)
-    k = _kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev)
+    k = _kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"])
     grid = _grid("moe_w2", key, w.group_size, h, i, top_k, dev)
-    k(grid, 32 * tiles["warps"], shared_bytes(tiles),
+    k(grid, 32 * tiles["warps"], shared_bytes(tiles, "moe_w2"),
       [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
        topk_weights.reshape(-1).float().contiguous(), ypart, tk, out])
     return out

@@ -47,8 +47,10 @@ def test_work_split_and_tiles():
     assert mm.work_split(8, 8, 384, 256, 7168, 2112) == 8
     assert mm.work_split(512, 8, 384, 256, 7168, 2112) == 1
     assert mm.tiles_for(1, 8, 384)["ng"] == 1 and mm.tiles_for(512, 8, 384)["ng"] == 2
+    assert mm.tiles_for(8, 8, 384)["w2b"] == 1 and mm.tiles_for(64, 8, 384)["w2b"] == 2
     assert mm.tiles_for(4096, 8, 384)["ng"] == 2
-    assert mm.shared_bytes({"ng": 1, "stages": 4, "warps": 4}) == 4 * 4 * 7 * 512
+    assert mm.shared_bytes({"ng": 1, "stages": 4, "warps": 4, "w2b": 2}) == 4 * 4 * 7 * 512
+    assert mm.shared_bytes({"ng": 2, "stages": 3, "warps": 4, "w2b": 4}, "moe_w2") == 4 * 3 * 14 * 512
 
 
 def test_resolve_on_cpu_never_marlin():
@@ -111,10 +113,10 @@ def test_marlin_matches_reference(k26, routing, tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ng", [1, 2, 4])
-def test_marlin_tiles_and_graph_replay(k26, ng):
+@pytest.mark.parametrize("ng,w2b", [(1, 1), (2, 2), (2, 4), (4, 2)])
+def test_marlin_tiles_and_graph_replay(k26, ng, w2b):
     x, ids, tw = _case("uniform", 200, k26, seed=ng)
-    tiles = mm.resolve_tiles(200, 8, k26, x.device, {"ng": ng, "stages": 3, "warps": 4})
+    tiles = mm.resolve_tiles(200, 8, k26, x.device, {"ng": ng, "stages": 3, "warps": 4, "w2b": w2b})
     eager = mm.fused_moe_marlin(x, ids, tw, k26, tiles)
     want = fused_moe_ref(x.float(), ids, tw, k26).float()
     assert ((eager.float() - want).norm() / want.norm()).item() <= 1e-2
