@@ -14,9 +14,13 @@ after the router in `engine.model.MoE.forward` (the router's work is still done)
   tree verify) draws uniformly; a tree node keeps each of its parent's experts with
   probability F and fills the rest with uniform experts its parent does not keep.
 
-The draws read a pool of precomputed uniform top-k rows at a random offset drawn on the
-device (`torch.randint`, which a CUDA graph captures and refreshes on every replay), so
-a step has no host sync and the graphs stay valid. Every call counts the distinct
+The draws read a pool of precomputed uniform top-k rows, so a step has no host sync and
+the graphs stay valid. Where the caller names each token (`Routing.key`: token id and
+position, set by the engine's steppers and prefill), the row is a hash of (key, layer):
+the same token at the same position always runs the same experts, so the target stays a
+deterministic function and real acceptance stays lossless against AR; elsewhere the rows
+start at a random offset drawn on the device (`torch.randint`, which a CUDA graph captures
+and refreshes on every replay). overlap's keep/replace draws are random (`torch.rand`). Every call counts the distinct
 experts of the forward into device buffers indexed by tokens per stream (`t`: 1 for a
 decode step, budget + 1 for a verify, the chunk for a prefill); `mean_touched(t)` reads
 them after the run.
@@ -62,6 +66,8 @@ class Routing:
         self.n_experts, self.top_k = n_experts, top_k
         self.device = torch.device(device)
         self.tree: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.key: torch.Tensor | None = None      # [N, T] long: one key per token of the forward
+        self.seed = seed
         self.touched = torch.zeros(MAX_T, dtype=torch.float64, device=self.device)   # sum of distinct counts
         self.calls = torch.zeros(MAX_T, dtype=torch.float64, device=self.device)
         self.pool = None
@@ -85,17 +91,28 @@ class Routing:
         calls = float(self.calls[sl].sum())
         return float(self.touched[sl].sum()) / calls if calls else None
 
-    def draw(self, n: int) -> torch.Tensor:
-        """`n` uniform top-k rows `[n, k]` int32 (consecutive pool rows from a random offset)."""
-        off = torch.randint(0, self.pool.shape[0], (1,), device=self.device)
-        idx = (off + torch.arange(n, device=self.device)) % self.pool.shape[0]
-        return self.pool[idx]
+    def set_key(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """Name the next forward's tokens (`[N, T]` ids and positions) for keyed draws."""
+        self.key = tokens.long() * (1 << 24) + positions.long()
 
-    def __call__(self, ids: torch.Tensor, w: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router's (ids `[b*t, k]`, weights) of a forward of b streams x t tokens -> the
-        ids the experts run (the router's weights stay), counted."""
+    def draw(self, n: int, key: torch.Tensor | None = None, layer: int = 0) -> torch.Tensor:
+        """`n` uniform top-k rows `[n, k]` int32: pool rows hashed from `key` `[n]` and the
+        layer, or consecutive rows from a random offset."""
+        p = self.pool.shape[0]
+        if key is not None:
+            x = key * 1000003 + (layer + 1) * 7919 + self.seed
+            for _ in range(2):                                  # integer mix (wrapping int64)
+                x = (x ^ (x >> 29)) * 0x5851F42D4C957F2D
+            return self.pool[torch.remainder(x ^ (x >> 32), p)]
+        off = torch.randint(0, p, (1,), device=self.device)
+        return self.pool[(off + torch.arange(n, device=self.device)) % p]
+
+    def __call__(self, ids: torch.Tensor, w: torch.Tensor, b: int, t: int, layer: int = 0):
+        """The router's (ids `[b*t, k]`, weights) of a forward of b streams x t tokens in MoE
+        layer `layer` -> the ids the experts run (the router's weights stay), counted."""
         if self.mode != "model":
-            fresh = self.draw(b * t)                                                 # [b*t, k]
+            key = self.key.reshape(-1) if self.key is not None and tuple(self.key.shape) == (b, t) else None
+            fresh = self.draw(b * t, key, layer)                                     # [b*t, k]
             tree = self.tree
             if self.mode == "overlap" and tree is not None and tuple(tree[0].shape) == (b, t):
                 ids = self.overlap_ids(fresh.view(b, t, -1), *tree).view(b * t, -1)
@@ -138,10 +155,20 @@ class Routing:
         return out
 
 
+class LayerHook:
+    """The hook one MoE layer calls: its layer index, then the shared `Routing`."""
+
+    def __init__(self, routing: Routing, layer: int):
+        self.routing, self.layer = routing, layer
+
+    def __call__(self, ids, w, b, t):
+        return self.routing(ids, w, b, t, self.layer)
+
+
 def set_routing(model, routing: Routing | None) -> None:
     """Install (or with None remove) the hook in every MoE layer of `model`."""
-    for moe in model.moe_blocks().values():
-        moe.routing = routing
+    for i, moe in model.moe_blocks().items():
+        moe.routing = None if routing is None else LayerHook(routing, i)
 
 
 def install(model, spec: str, seed: int = 0) -> Routing:

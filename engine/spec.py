@@ -238,7 +238,11 @@ class Session:
             pos = torch.arange(c0, c1, device=dev).expand(n, t)                     # [N, t]
             vis = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(n, t, t)
             start = torch.full((n,), c0, dtype=torch.long, device=dev)
+            if self.routing is not None:
+                self.routing.set_key(tokens[:, c0:c1], pos)
             logits, hid = self.model(tokens[:, c0:c1], pos, self.cache, start, vis, self.hidden_layers)
+            if self.routing is not None:
+                self.routing.key = None
             last = (lens_t - 1 - c0).clamp(0, t - 1)                                 # [N]
             pick = logits.gather(1, last.view(n, 1, 1).expand(n, 1, logits.shape[-1])).squeeze(1).argmax(-1)
             first = torch.where((lens_t - 1 >= c0) & (lens_t - 1 < c1), pick, first)
@@ -514,7 +518,11 @@ class ARStep(_Stepper):
 
     def _verify(self):
         s = self.sess
+        if s.routing is not None:
+            s.routing.set_key(s.bonus.view(-1, 1), s.prefix_len.view(-1, 1))
         logits, _ = s.model(s.bonus.view(-1, 1), s.prefix_len.view(-1, 1), s.cache, s.prefix_len, self.vis)
+        if s.routing is not None:
+            s.routing.key = None
         self.next = logits[:, 0].argmax(-1)
         self.tie = top2_tied(logits[:, 0])
 
@@ -597,11 +605,12 @@ class SpecStep(_Stepper):
     def _verify(self):
         s = self.sess
         positions = s.prefix_len.view(-1, 1) + self.depth_of                  # [N, T]
-        if s.routing is not None:                                             # overlap routing follows the tree
+        if s.routing is not None:                                   # keyed draws; overlap follows the tree
+            s.routing.set_key(self.token, positions)
             s.routing.tree = (self.parent, self.depth_of, self.depth)
         logits, self.hid = s.model(self.token, positions, s.cache, s.prefix_len, self.visible, s.hidden_layers)
         if s.routing is not None:
-            s.routing.tree = None
+            s.routing.tree = s.routing.key = None
         self.argmax = logits.argmax(-1)                                       # [N, T]
         self.tie = top2_tied(logits) if self.tied_out else None               # [N, T]
 

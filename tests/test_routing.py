@@ -1,0 +1,119 @@
+"""engine.routing: uniform draws match the formula, overlap:1 reuses the parent's experts,
+model keeps the router's choice, keyed draws are a function of the token, and the
+on-device distinct-expert counter agrees with torch.unique."""
+import pytest
+import torch
+
+from ddbench.engine.config import ConfigError, preset
+from ddbench.engine.model import Transformer
+from ddbench.engine.routing import Routing, install, parse_routing
+from ddbench.engine.weights import init_random
+from ddbench.kernels.moe import expected_experts_touched
+
+E, K = 64, 8
+
+
+def router_ids(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, E, generator=g).topk(K, -1).indices.int(), torch.rand(n, K, generator=g)
+
+
+def test_parse():
+    assert parse_routing("overlap:0.25") == ("overlap", 0.25) and parse_routing("model") == ("model", 0.0)
+    for bad in ("overlap:2", "overlap:x", "router", "uniform:1"):
+        with pytest.raises(ConfigError):
+            parse_routing(bad)
+
+
+def test_model_keeps_the_router_choice_and_counts_like_unique():
+    r = Routing("model", E, K, "cpu")
+    total = 0.0
+    for s in range(5):
+        ids, w = router_ids(7 + s, s)
+        out, w2 = r(ids, w, 1, 7 + s)
+        assert torch.equal(out, ids) and torch.equal(w2, w)
+        total += torch.unique(ids).numel()
+    assert r.mean_touched() == pytest.approx(total / 5)
+    assert r.mean_touched(9) == pytest.approx(torch.unique(router_ids(9, 2)[0]).numel())
+    assert r.mean_touched(1) is None
+
+
+@pytest.mark.parametrize("tokens", [3, 20, 90])
+def test_uniform_matches_the_formula(tokens):
+    torch.manual_seed(0)
+    r = Routing("uniform", E, K, "cpu", seed=1)
+    ids0, w = router_ids(tokens, 0)
+    for _ in range(300):
+        out, _ = r(ids0, w, 1, tokens)
+        assert out.shape == ids0.shape and out.dtype == torch.int32
+        assert all(len(set(row)) == K for row in out.tolist())          # distinct per token
+    assert r.mean_touched(tokens) == pytest.approx(expected_experts_touched(tokens, E, K), rel=0.03)
+
+
+def test_keyed_draws_depend_only_on_the_token_and_layer():
+    r = Routing("uniform", E, K, "cpu", seed=1)
+    tok = torch.randint(0, 1000, (2, 5))
+    pos = torch.arange(5).expand(2, 5)
+    ids, w = router_ids(10, 3)
+    r.set_key(tok, pos)
+    a, _ = r(ids, w, 2, 5, layer=1)
+    b, _ = r(ids.flip(0), w, 2, 5, layer=1)
+    c, _ = r(ids, w, 2, 5, layer=2)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    r.set_key(tok[:1, 2:3], pos[:1, 2:3])                                   # same token alone: same experts
+    d, _ = r(ids[:1], w[:1], 1, 1, layer=1)
+    assert torch.equal(d[0], a[2])
+
+
+def tree(n, t, depth, seed):
+    """Random trees: parent < child, depth = parent's depth + 1."""
+    g = torch.Generator().manual_seed(seed)
+    parent = torch.full((n, t), -1, dtype=torch.long)
+    dep = torch.zeros(n, t, dtype=torch.long)
+    for b in range(n):
+        for j in range(1, t):
+            cands = [i for i in range(j) if dep[b, i] < depth]
+            p = cands[int(torch.randint(len(cands), (1,), generator=g))]
+            parent[b, j], dep[b, j] = p, dep[b, p] + 1
+    return parent, dep
+
+
+@pytest.mark.parametrize("f", [1.0, 0.5, 0.0])
+def test_overlap_keeps_parent_experts(f):
+    torch.manual_seed(1)
+    n, t, depth = 3, 40, 5
+    parent, dep = tree(n, t, depth, 0)
+    r = Routing(f"overlap:{f}", E, K, "cpu", seed=2)
+    r.tree = (parent, dep, depth)
+    ids, w = router_ids(n * t, 4)
+    out, _ = r(ids, w, n, t)
+    out = out.view(n, t, K)
+    shared = []
+    for b in range(n):
+        for j in range(1, t):
+            mine, theirs = set(out[b, j].tolist()), set(out[b, parent[b, j]].tolist())
+            assert len(mine) == K
+            shared.append(len(mine & theirs) / K)
+    mean = sum(shared) / len(shared)
+    if f == 1.0:
+        assert mean == 1.0
+    else:   # kept with prob F, plus replacements that hit the parent's dropped experts by chance
+        assert abs(mean - (f + (1 - f) * (1 - f) * K / E)) < 0.06
+    r.tree = None                                      # not a tree verify: plain uniform draws
+    assert r(ids, w, n, t)[0].shape == (n * t, K)
+
+
+def test_hook_in_the_model_counts_every_moe_layer():
+    cfg = preset("tiny")
+    model = Transformer(cfg, dtype=torch.float32)
+    init_random(model, 0)
+    r = install(model, "uniform", 0)
+    from ddbench.engine.model import causal_visible
+
+    n_tok = 6
+    cache = model.new_cache(1, 16)
+    tok = torch.randint(0, cfg.vocab, (1, n_tok))
+    pos = torch.arange(n_tok).view(1, -1)
+    model(tok, pos, cache, torch.zeros(1, dtype=torch.long), causal_visible(1, n_tok))
+    assert float(r.calls[n_tok]) == len(model.moe_blocks())
+    assert 1 <= r.mean_touched(n_tok) <= min(cfg.n_experts, n_tok * cfg.top_k)
