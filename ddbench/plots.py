@@ -12,6 +12,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+matplotlib.rcParams.update({"axes.titlesize": 9, "figure.titlesize": 10})  # two-line titles naming runs
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
@@ -58,8 +59,14 @@ def run_title(runs, labels) -> str:
     if len(rs) > 3:
         return f"{len(rs)} runs"
     bad = ", INCOMPLETE" if any(r.incomplete for r in rs) else ""
-    days = sorted({r.date for r in rs})
-    return f"{', '.join(r.name for r in rs)} ({' to '.join(days[:1] + days[1:][-1:])}, {rs[0].gpu}{bad})"
+    dates = sorted(r.started for r in rs if r.started)
+    when = "undated"
+    if dates:
+        when = dates[0].strftime("%Y-%m-%d %H:%M")
+        if dates[-1] != dates[0]:
+            when += "-" + dates[-1].strftime("%H:%M" if dates[-1].date() == dates[0].date() else "%Y-%m-%d %H:%M")
+        when += " UTC"
+    return f"{', '.join(r.name for r in rs)} ({when}, {rs[0].gpu}{bad})"
 
 
 def run_label(run, labels, runs) -> str:
@@ -102,9 +109,8 @@ def _join(*parts) -> str:
 # ----------------------------------------------------------------------------- moe-sweep
 def moe_sweep(runs, labels, out, fmt):
     """Layer time vs T with the bytes and compute floors; % of copy bandwidth vs T."""
-    curves = []  # (label, df sorted by tokens)
-    floors = None
-    copy = None
+    curves = []  # (label, df sorted by tokens, floors by tokens)
+    copies = set()
     for run, df in runs:
         if "stage" not in df or df.empty:
             continue
@@ -113,35 +119,41 @@ def moe_sweep(runs, labels, out, fmt):
             lay[col] = num(lay, col)
         if "cuda_graph" in lay and truthy(lay["cuda_graph"]).any():
             lay = lay[truthy(lay["cuda_graph"])]
+        floors = lay.groupby("tokens")[["floor_bytes_us", "floor_compute_us"]].min().sort_index()
+        copies |= set(lay["copy_gbps"].dropna().round())
+        rl = run_label(run, labels, runs)
         for (be, rt), g in lay.groupby(["backend", "routing"]):
-            curves.append((_join(run_label(run, labels, runs), f"{be} {rt}"), g.sort_values("tokens")))
-        if floors is None and len(lay):
-            floors = lay.groupby("tokens")[["floor_bytes_us", "floor_compute_us"]].min().sort_index()
-            copy = lay["copy_gbps"].dropna().iloc[0] if lay["copy_gbps"].notna().any() else None
+            curves.append((_join(rl, f"{be} {rt}"), g.sort_values("tokens"), floors, rl))
     if not curves:
         return []
-    r0 = runs[0][0]
-    tp = r0.meta.get("tp", "")
+    tps = sorted({str(r.meta.get("tp", "")) for r, _ in runs})
     where = run_title(runs, labels)
     made = []
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for lab, g in curves:
-        ax.plot(g["tokens"], g["time_us"], "o-", ms=3, label=lab or "measured")
-    ax.plot(floors.index, floors["floor_bytes_us"], "k--", label="bytes floor (measured copy BW)")
-    ax.plot(floors.index, floors["floor_compute_us"], "k:", label="compute floor (bf16 GEMM)")
+    fig, ax = plt.subplots(figsize=(8.5 if len(runs) > 1 else 7.5, 4.8))
+    floored = set()
+    for lab, g, floors, rl in curves:
+        line, = ax.plot(g["tokens"], g["time_us"], "o-", ms=3, label=lab or "measured")
+        if rl not in floored:  # each run's floors once, in its first curve's colour
+            floored.add(rl)
+            c = line.get_color() if len(runs) > 1 else "k"
+            ax.plot(floors.index, floors["floor_bytes_us"], "--", color=c, lw=1,
+                    label=_join(rl, "bytes floor (measured copy BW)"))
+            ax.plot(floors.index, floors["floor_compute_us"], ":", color=c, lw=1,
+                    label=_join(rl, "compute floor (bf16 GEMM)"))
     ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="time per MoE layer (us)",
-           title=f"MoE layer time, TP-{tp} shard\n{where}")
+           title=f"MoE layer time, TP-{'/'.join(tps)}\n{where}")
     _log2_x(ax)
     ax.grid(True, which="both", alpha=0.3)
     _legend(ax)
     made.append(("MoE layer time vs tokens", save(fig, out, "moe_sweep_time", fmt)))
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for lab, g in curves:
+    for lab, g, _, _ in curves:
         ax.plot(g["tokens"], g["pct_of_copy_bw"], "o-", ms=3, label=lab or "measured")
-    ax.axhline(100, color="k", ls="--", lw=1, label=f"copy bandwidth{f' ({copy:.0f} GB/s)' if copy else ''}")
+    copy = f" ({'/'.join(f'{c:.0f}' for c in sorted(copies))} GB/s)" if copies else ""
+    ax.axhline(100, color="k", ls="--", lw=1, label=f"measured copy bandwidth{copy}")
     ax.set(xlabel="tokens T", ylabel="% of copy bandwidth (bytes floor / time)", ylim=(0, 110),
-           title=f"MoE layer: % of copy bandwidth, TP-{tp} shard\n{where}")
+           title=f"MoE layer: % of copy bandwidth, TP-{'/'.join(tps)}\n{where}")
     _log2_x(ax)
     ax.grid(True, which="both", alpha=0.3)
     _legend(ax)

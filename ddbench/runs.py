@@ -30,6 +30,8 @@ MAIN_KIND = {c: next(k for k, v in KIND_COMMAND.items() if v == c) for c in COMM
 _STAMP = re.compile(r"(\d{8})[-_T](\d{6}|\d{4})")
 # options that name or place a run rather than change what it measures
 _PLACEMENT_OPTS = {"--name", "--out"}
+# options a script varies over separate processes that together make one measurement
+SPLIT_OPTS = {"--concurrency", "--tp", "--tokens"}
 
 
 def gpu_slug(name: str | None) -> str:
@@ -195,7 +197,7 @@ def differing_args(runs: list[Run]) -> dict[str, str]:
     labels = {}
     for r in runs:
         o = all_opts[r.name]
-        bits = [f"{k} {o[k]}".strip() if k in o else f"no {k}" for k in varying]
+        bits = [f"{k} {o[k]}".strip() for k in varying if k in o] or [f"no {k}" for k in varying]
         labels[r.name] = " ".join(bits) if bits and len(runs) > 1 else r.name
     if len(set(labels.values())) < len(labels):  # same command lines: name the runs
         labels = {r.name: f"{r.name} ({labels[r.name]})" if labels[r.name] != r.name else r.name
@@ -205,19 +207,19 @@ def differing_args(runs: list[Run]) -> dict[str, str]:
 
 def session(runs: list[Run], run: Run, within_s: float = 3600) -> list[Run]:
     """`run` and the runs made with it: the same command and commit, started within
-    `within_s`, whose command lines differ only in --concurrency (a script that runs
-    each concurrency in its own process) or in being the same run's other kind (the
+    `within_s`, whose command lines differ only in the options of SPLIT_OPTS (a script
+    that runs each concurrency, or each TP degree, in its own process) or in being the same run's other kind (the
     baseline's per-request CSV)."""
     def key(r):
         return [w for w in _measure_args(r.command_line)]
 
-    def strip_conc(words):
+    def strip_split(words):
         out, skip = [], False
         for w in words:
             if skip:
                 skip = False
                 continue
-            if w.split("=", 1)[0] == "--concurrency":
+            if w.split("=", 1)[0] in SPLIT_OPTS:
                 skip = "=" not in w
                 continue
             out.append(w)
@@ -234,8 +236,8 @@ def session(runs: list[Run], run: Run, within_s: float = 3600) -> list[Run]:
         if r.meta.get("git_commit") != run.meta.get("git_commit"):
             continue
         same_run_other_kind = r.kind != run.kind and key(r) == key(run)
-        other_concurrency = r.kind == run.kind and strip_conc(key(r)) == strip_conc(key(run))
-        if not (same_run_other_kind or other_concurrency):
+        split_mate = r.kind == run.kind and strip_split(key(r)) == strip_split(key(run))
+        if not (same_run_other_kind or split_mate):
             continue
         k = (r.kind, tuple(key(r)))
         if k not in nearest or abs(r.started - run.started) < abs(nearest[k].started - run.started):

@@ -124,7 +124,7 @@ def test_report_latest_runs_tables_and_plots(tree, tmp_path, legends):
 def test_report_compares_chosen_runs(tree, tmp_path, legends):
     text = run([tree], tmp_path / "rep", "png", runs="20261201,20261203-100000").read_text()
     assert "20261201-100000_old" in text and "20261203-100000_new" in text
-    assert legends["moe_sweep_time"] == [4]  # 2 runs + 2 floors, labelled by what differs
+    assert legends["moe_sweep_time"] == [6]  # per run: its curve and its 2 floors, labelled by what differs
 
 
 def test_report_old_e2e_csv_without_new_columns(tree, tmp_path):
