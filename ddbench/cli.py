@@ -106,7 +106,7 @@ def env(json_out: Optional[Path] = typer.Option(None, "--json", help="Also write
     if json_out is not None:
         if json_out.is_dir():
             raise UserError(f"--json {json_out} is a folder; give a file name, e.g. {json_out / 'env.json'}")
-        ensure_out_dir(json_out.parent)
+        ensure_out_dir(json_out.parent, what="--json folder")
     run(json_out)
 
 

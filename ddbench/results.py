@@ -41,8 +41,8 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def ensure_out_dir(out: Path) -> Path:
-    """Create `out` (and parents) or raise UserError if it cannot be written."""
+def ensure_out_dir(out: Path, what: str = "--out") -> Path:
+    """Create `out` (and parents) or raise UserError (naming the option `what`) if it cannot be written."""
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +50,7 @@ def ensure_out_dir(out: Path) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise UserError(f"cannot write to --out {out}: {e.strerror or e}") from None
+        raise UserError(f"cannot write to {what} {out}: {e.strerror or e}") from None
     return out
 
 

@@ -134,6 +134,11 @@ def test_env_json_folder_is_one_line_error(tmp_path):
     r = runner.invoke(app, ["env", "--json", str(tmp_path)])
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "folder" in r.output
     assert list(tmp_path.iterdir()) == []  # no stray temporary file
+    blocker = tmp_path / "f"
+    blocker.write_text("")
+    r = runner.invoke(app, ["env", "--json", str(blocker / "env.json")])
+    assert r.exit_code == 2 and r.output.startswith("error: cannot write to --json folder")
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]
 
 
 def test_decode_name(tmp_path):
