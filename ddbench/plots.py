@@ -281,34 +281,50 @@ def _stack(ax, labels_x, rows: pd.DataFrame, phases, total_col, floor_col, total
 
 
 def decode(runs, labels, out, fmt):
-    """Stacked per-phase step time per (run, concurrency), with the step total and bytes floor."""
+    """Stacked per-phase step time per (run, concurrency), with the step total and bytes floor;
+    with more than 3 runs, one panel per concurrency and one bar per run."""
     rows = []
     for run, df in runs:
         if "concurrency" not in df:
             continue
         for _, r in df.iterrows():
-            rows.append({**r.to_dict(), "_x": _join(run_label(run, labels, runs), f"c={r['concurrency']}")})
+            rows.append({**r.to_dict(), "_run": run.name, "_rl": run_label(run, labels, runs)})
     if not rows:
         return []
     rows = pd.DataFrame(rows)
-    if "comm_us" not in rows:
-        rows["comm_us"] = np.nan
-    fig, ax = plt.subplots(figsize=(min(16, max(8.5, 1.2 * len(rows) + 4)), 4.8))
-    _stack(ax, list(rows["_x"]), rows, DECODE_PHASES, "step_total_us", "floor_us",
-           "step total (graph replay + modelled comm)", "bytes floor")
     preset = rows["preset"].iloc[0] if "preset" in rows else ""
     tp = rows["tp"].iloc[0] if "tp" in rows else "?"
-    ax.set_ylabel("time per decode step (us)")
-    ax.set_title(f"decode step, {preset} TP-{tp}: phases timed one by one "
-                 f"(bars) vs the whole step\n{run_title(runs, labels)}", fontsize=10)
-    ax.grid(axis="y", alpha=0.3)
-    _legend(ax, outside=True)
+    title = f"decode step, {preset} TP-{tp}: phases timed one by one (bars) vs the whole step"
+    args = (DECODE_PHASES, "step_total_us", "floor_us", "step total (graph replay + modelled comm)", "bytes floor")
+    nruns = rows["_run"].nunique()
+    if nruns <= 3:
+        fig, ax = plt.subplots(figsize=(min(16, max(8.5, 1.2 * len(rows) + 4)), 4.8))
+        _stack(ax, [_join(rl, f"c={c}") for rl, c in zip(rows["_rl"], rows["concurrency"])], rows, *args)
+        ax.set_ylabel("time per decode step (us)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_title(f"{title}\n{run_title(runs, labels)}")
+        _legend(ax, outside=True)
+    else:
+        concs = sorted(num(rows, "concurrency").dropna().unique())
+        fig, axes = plt.subplots(len(concs), 1, figsize=(min(16, 0.45 * nruns + 5), 3.2 * len(concs) + 1.2),
+                                 squeeze=False)
+        for ax, c in zip(axes[:, 0], concs):
+            sub = rows[num(rows, "concurrency") == c]
+            _stack(ax, list(sub["_run"]), sub, *args)
+            ax.tick_params(axis="x", labelrotation=60)
+            ax.set(ylabel="us per step", title=f"c={int(c)}")
+            ax.grid(axis="y", alpha=0.3)
+        _legend(axes[0, 0], outside=True)
+        fig.suptitle(f"{title}, {nruns} runs")
     return [("decode: per-phase step time", save(fig, out, "decode_phases", fmt))]
 
 
 # ----------------------------------------------------------------------------- e2e
-def e2e_frame(runs) -> pd.DataFrame:
-    frames = [df.assign(_run=run.name) for run, df in runs if "decoder" in df]
+def e2e_frame(runs, labels=None) -> pd.DataFrame:
+    """All e2e rows; `_profile` names the series: the acceptance profile, and the run (by
+    what differs) where several runs measured the same profile at the same concurrency."""
+    frames = [df.assign(_run=run.name, _rl=(labels or {}).get(run.name, run.name)) for run, df in runs
+              if "decoder" in df]
     if not frames:
         return pd.DataFrame()
     df = pd.concat(frames, ignore_index=True)
@@ -319,13 +335,15 @@ def e2e_frame(runs) -> pd.DataFrame:
         if col in df:
             prof = df[col].where(df[col].notna() & (df[col].astype(object) != ""), prof)
     df["_profile"] = prof.map(lambda v: "" if v is None or v != v else str(v))
+    if len(df) and df.groupby(["decoder", "_profile", "concurrency"])["_run"].nunique().max() > 1:
+        df["_profile"] = df["_profile"] + " [" + df["_rl"].astype(str).str.slice(0, 40) + "]"
     return df
 
 
 def e2e(runs, labels, out, fmt, reference=None):
     """tok/s vs budget per concurrency (model line where predicted, measured points, AR and
     SGLang as horizontal lines); E[accepted] vs budget per profile; per-phase step stack."""
-    df = e2e_frame(runs)
+    df = e2e_frame(runs, labels)
     if df.empty:
         return []
     where = run_title(runs, labels)

@@ -211,7 +211,7 @@ def table_decode(runs) -> list[str]:
 def table_e2e(runs, reference: dict) -> list[str]:
     from ddbench.plots import E2E_PHASES, e2e_frame, first_col, num
 
-    df = e2e_frame(runs)
+    df = e2e_frame(runs, differing_args([r for r, _ in runs]))
     if df.empty:
         return ["No e2e rows.", ""]
     pred = first_col(df, "predicted_tok_per_s")
