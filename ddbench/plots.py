@@ -83,6 +83,9 @@ def _legend(ax, outside: bool = False, **kw):
         kw.update(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if handles:
         ax.legend(handles[:MAX_LEGEND], names[:MAX_LEGEND], fontsize=7, **kw)
+    if len(handles) > MAX_LEGEND:  # say so rather than leave lines unexplained
+        ax.text(0.01, 0.01, f"{len(handles) - MAX_LEGEND} more series not in the legend: choose fewer with --runs",
+                transform=ax.transAxes, fontsize=7, color="red")
 
 
 def _bytes(v, _pos=None) -> str:
