@@ -27,8 +27,7 @@ Outputs: a per-request CSV (kind `baseline_requests`) with a JSONL beside it tha
 each request's ITL list, a summary CSV with one row per concurrency level (kind
 `baseline`), and JSON sidecars that carry the server's own info
 (`/get_server_info`, `/v1/models`). `import_bench_serving` turns a bench_serving
-`--output-file` JSONL into the same summary format; `plot` draws output tok/s vs
-concurrency for baseline, e2e and decode summaries plus TTFT/TPOT distributions.
+`--output-file` JSONL into the same summary format (ddbench/plots.py draws them).
 """
 from __future__ import annotations
 
@@ -802,41 +801,3 @@ def _import_requests(d: dict, label: str, conc: int):
                "tpot_ms": _ms((lat - ttft) / (out - 1)) if ok and out and out > 1 else None,
                "itl_mean_ms": _ms(sum(itl) / len(itl)) if ok and itl else None,
                "itl_max_ms": _ms(max(itl)) if ok and itl else None}
-
-
-# ---------------------------------------------------------------------------------------
-# report plots
-# ---------------------------------------------------------------------------------------
-
-def throughput_series(results: dict) -> list[tuple[str, str, list, list]]:
-    """[(name, kind, concurrencies, output tok/s)] for every baseline/e2e/decode summary.
-
-    Lines are split by `label` (or `mode`); where one line has several rows at the same
-    concurrency (a sweep over other knobs), the best output tok/s is drawn.
-    """
-    import pandas as pd
-
-    series = []
-    for kind in ("baseline", "e2e", "decode"):
-        for df, meta in results.get(kind, []):
-            if not {"concurrency", "output_tok_per_s"} <= set(df.columns):
-                continue
-            df = df.copy()
-            df["output_tok_per_s"] = pd.to_numeric(df["output_tok_per_s"], errors="coerce")
-            df["concurrency"] = pd.to_numeric(df["concurrency"], errors="coerce")
-            df = df.dropna(subset=["concurrency", "output_tok_per_s"])
-            key = "label" if "label" in df.columns else "mode" if "mode" in df.columns else None
-            groups = df.groupby(df[key].astype(str)) if key else [(Path(meta["_path"]).stem, df)]
-            for name, g in groups:
-                best = g.groupby("concurrency")["output_tok_per_s"].max().sort_index()
-                if len(best):
-                    tag = name if kind == "baseline" else f"{kind}: {name}"
-                    tag += " (best of sweep)" if len(best) < len(g) else ""
-                    s = (tag, kind, [int(c) if float(c).is_integer() else float(c) for c in best.index],
-                         [float(v) for v in best.values])
-                    if s in series:
-                        continue  # the same data found twice (a copied file)
-                    if any(tag == t for t, *_ in series):  # same name, other data: say which file
-                        s = (f"{tag} [{Path(meta['_path']).stem}]",) + s[1:]
-                    series.append(s)
-    return series

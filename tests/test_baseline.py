@@ -6,7 +6,6 @@ every metric has an exact expected value; tolerances cover loopback and scheduli
 import asyncio
 import csv
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -19,7 +18,6 @@ import pytest
 
 from ddbench import UserError
 from ddbench import baseline as bl
-from ddbench.report import load
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stream_server import Schedule, TestServer, free_port  # noqa: E402
@@ -420,41 +418,6 @@ def test_reference_data():
     assert meta["kind"] == "baseline" and meta["measured_by_ddbench"] is False
     assert "not measured by ddbench" in meta["provenance"].lower()
     assert "RTX PRO 6000" in meta["hardware"] and meta["tensor_parallel"] == 8
-
-
-def test_report_plots_baseline_and_engine(tmp_path):
-    from ddbench.results import ResultWriter
-
-    res = tmp_path / "res"
-    res.mkdir()
-    for name in ("sglang_reference.csv", "sglang_reference.json"):
-        (res / name).write_text((ROOT / "results" / "baseline" / name).read_text())
-        (res / f"copy_{name}").write_text((ROOT / "results" / "baseline" / name).read_text())
-    with ResultWriter(res, "baseline", name="b1") as w:
-        for c, t in ((1, 50.0), (4, 150.0)):
-            w.write({**dict.fromkeys(bl.SUMMARY_COLUMNS), "label": "local", "concurrency": c,
-                     "output_tok_per_s": t})
-    with ResultWriter(res, "baseline_requests", name="r1") as w:
-        for i in range(6):
-            w.write({**dict.fromkeys(bl.REQUEST_COLUMNS), "label": "local", "concurrency": 1 + i % 2,
-                     "ok": int(i != 5), "ttft_ms": 100 + i, "tpot_ms": 5 + i})
-    with ResultWriter(res, "e2e", name="e1") as w:
-        for mode, c, t in (("ddtree", 1, 200.0), ("ddtree", 1, 220.0), ("ddtree", 10, 700.0), ("ar", 1, 90.0)):
-            w.write({"mode": mode, "concurrency": c, "output_tok_per_s": t})
-    with ResultWriter(res, "decode", name="d1") as w:
-        w.write({"label": "tp8", "concurrency": 1, "output_tok_per_s": 80.0})
-
-    results = load([res])
-    found = bl.throughput_series(results)
-    series = {name: (conc, tps) for name, _, conc, tps in found}
-    assert len(found) == len(series) == 5  # the copied reference is drawn once
-    assert series["SGLang 8x RTX PRO 6000 TP-8 (reported)"] == ([1, 10], [138.0, 517.0])
-    assert series["local"] == ([1, 4], [50.0, 150.0])
-    assert series["e2e: ddtree (best of sweep)"] == ([1, 10], [220.0, 700.0])  # best of the sweep at c=1
-    assert series["e2e: ar"] == ([1], [90.0]) and series["decode: tp8"] == ([1], [80.0])
-    drawn = bl.plot(results, tmp_path / "plots", "png") if (tmp_path / "plots").mkdir() is None else None
-    assert [t for t, _ in drawn] == ["Output tok/s vs concurrency", "TTFT and TPOT distributions"]
-    assert all(Path(p).stat().st_size > 1000 for _, p in drawn)
 
 
 @pytest.mark.parametrize("warmup", [1, 0])
