@@ -97,7 +97,7 @@ def _started(meta: dict, path: Path) -> dt.datetime | None:
     return None
 
 
-def _read_run(csv: Path, root: Path) -> Run | None:
+def _read_run(csv: Path) -> Run | None:
     partial = csv.name.endswith(".csv.partial")
     base = csv.with_name(csv.name[: -len(".partial")]) if partial else csv
     side = base.with_suffix(".json")
@@ -107,7 +107,7 @@ def _read_run(csv: Path, root: Path) -> Run | None:
             meta = json.loads(side.read_text())
         except ValueError:
             meta = {}
-    parts = csv.relative_to(root).parts if csv.is_relative_to(root) else csv.parts
+    parts = csv.absolute().parts
     in_layout = len(parts) >= 3 and parts[-2] in COMMANDS
     kind = meta.get("kind")
     if kind not in KIND_COMMAND:
@@ -125,7 +125,7 @@ def list_runs(root) -> list[Run]:
     """Every run under `root` (a folder or one CSV), oldest first; undated runs first."""
     root = Path(root)
     if root.is_file():
-        files, root = [root], root.parent
+        files = [root]
     else:
         files = sorted([*root.rglob("*.csv"), *root.rglob("*.csv.partial")])
     runs = []
@@ -134,7 +134,7 @@ def list_runs(root) -> list[Run]:
             continue  # a writer's temporary file
         if f.name.endswith(".csv") and f.with_name(f.name + ".partial").exists():
             continue  # appended to; the partial file is the run
-        r = _read_run(f, root)
+        r = _read_run(f)
         if r is not None:
             runs.append(r)
     epoch = dt.datetime.min.replace(tzinfo=dt.timezone.utc)

@@ -65,3 +65,11 @@ def test_session_and_labels(tmp_path):
     assert [r.name for r in session(runs, latest)] == ["a_c1", "a_c10"]  # the nearer c=1 run, not old_c1
     labels = differing_args([r for r in runs if r.name in ("a_c1", "a_c10")])
     assert labels == {"a_c1": "--concurrency 1", "a_c10": "--concurrency 10"}
+
+
+def test_partial_run_found_from_its_command_folder(tmp_path):
+    put(tmp_path, "h200/decode/20261204-200000.csv.partial", rows="concurrency,step_us\n1,5.5\n")
+    (run,) = list_runs(tmp_path / "h200" / "decode")
+    assert (run.command, run.gpu, run.incomplete) == ("decode", "h200", True)
+    (run,) = list_runs(tmp_path / "h200" / "decode" / "20261204-200000.csv.partial")
+    assert run.name == "20261204-200000"
