@@ -125,7 +125,7 @@ class Routing:
     def count(self, ids: torch.Tensor, t: int) -> None:
         """Add this forward's distinct experts to the counters (no host sync)."""
         seen = torch.zeros(self.n_experts, dtype=torch.bool, device=ids.device)
-        seen[ids.reshape(-1).long()] = True
+        seen.index_fill_(0, ids.reshape(-1).long(), True)
         i = min(t, MAX_T - 1)
         self.touched[i] += seen.sum()
         self.calls[i] += 1
