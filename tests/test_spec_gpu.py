@@ -8,14 +8,14 @@ from ddbench.engine.drafter import Drafter, drafter_config
 from ddbench.engine.model import Transformer
 from ddbench.engine.spec import ARStep, Session, SpecStep, parse_acceptance
 from ddbench.engine.weights import init_random
-from ddbench.kernels import skinny
+from ddbench.kernels.select import KernelChoice
 
 pytestmark = pytest.mark.gpu
 
 
-def build(dtype, moe, attn):
+def build(dtype, moe, attn, kernels=None):
     cfg = preset("tiny")
-    target = Transformer(cfg, moe_backend=moe, attn_backend=attn, device="cuda", dtype=dtype)
+    target = Transformer(cfg, moe_backend=moe, attn_backend=attn, device="cuda", dtype=dtype, kernels=kernels)
     init_random(target, 3)
     drafter = Drafter(drafter_config(cfg), target, target.comm, device="cuda", dtype=dtype)
     drafter.init_random(4)
@@ -27,9 +27,10 @@ def prompts(cfg, lens, seed=0):
     return [torch.randint(0, cfg.vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def decode(target, drafter, ps, limits, budget=None, graph=False, acceptance=None):
+def decode(target, drafter, ps, limits, budget=None, graph=False, acceptance=None, routing=None):
     s = Session(target, drafter, len(ps), max_prompt=max(map(len, ps)), max_new=max(limits),
                 max_budget=budget or 0)
+    s.routing = routing
     s.prefill(ps, limits)
     step = ARStep(s) if budget is None else SpecStep(s, budget, acceptance=acceptance, kernels="triton")
     if graph:
@@ -50,7 +51,7 @@ def test_lossless_on_gpu_fp32(budget):
 
 
 @pytest.mark.parametrize("acc", ["real", "synthetic:4"])
-def test_graphs_replay_the_eager_step(acc, monkeypatch):
+def test_graphs_replay_the_eager_step(acc):
     """bf16 with the Triton MoE and attention: graph replays give the eager step's output."""
     cfg, target, drafter = build(torch.bfloat16, "triton", "triton")
     ps = prompts(cfg, [6, 13, 9], seed=1)
@@ -65,8 +66,8 @@ def test_graphs_replay_the_eager_step(acc, monkeypatch):
         # AR steps have <= 4 rows, so their linears run kernels.skinny, which sums in another
         # order than the verify's cuBLAS: bf16 greedy paths then drift apart after a few tokens
         assert all(x[:3] == y[:3] for x, y in zip(ar, graphed)), "AR and tree verify differ at once"
-        monkeypatch.setattr(skinny, "MAX_ROWS", 0)   # same GEMMs in both: they must agree
-        ar, _ = decode(target, None, ps, limits, graph=True)
+        plain = build(torch.bfloat16, "triton", "triton", KernelChoice(skinny=0))[1]    # same weights
+        ar, _ = decode(plain, None, ps, limits, graph=True)    # same GEMMs in both: they must agree
         same = sum(x == y for x, y in zip(ar, graphed))
         assert same >= 2, "bf16 tree verify and AR disagree on most streams"
     else:
@@ -91,3 +92,26 @@ def test_phase_timing_in_graphs():
     assert stats.cuda_graph and stats.steps > 0
     assert all(stats.phase_us[p] > 0 for p in ("draft", "tree", "verify", "accept", "context"))
     assert stats.wall_us > 0.5 * stats.device_us
+
+
+@pytest.mark.parametrize("spec", ["uniform", "overlap:0.5"])
+def test_routing_in_graphs(spec):
+    """The routing hook captures into the phase graphs: keyed uniform draws replay the
+    eager output exactly (real acceptance), overlap runs; the expert counter fills."""
+    from ddbench.engine.routing import install, set_routing
+
+    cfg, target, drafter = build(torch.bfloat16, "triton", "triton")
+    r = install(target, spec, 0)
+    try:
+        ps = prompts(cfg, [6, 13, 9], seed=2)
+        limits = [12, 9, 12]
+        a = parse_acceptance("real" if spec == "uniform" else "rank:dflash-k25-gsm8k-paper", drafter.dc.depth)
+        eager, _ = decode(target, drafter, ps, limits, 8, graph=False, acceptance=a, routing=r)
+        r.reset()
+        graphed, st = decode(target, drafter, ps, limits, 8, graph=True, acceptance=a, routing=r)
+        assert st.cuda_graph
+        if spec == "uniform":
+            assert graphed == eager
+        assert cfg.top_k <= r.mean_touched(9) <= cfg.n_experts
+    finally:
+        set_routing(target, None)
