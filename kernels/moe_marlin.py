@@ -151,7 +151,8 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
     if have is None or have.numel() < n:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("moe_marlin: call once outside CUDA-graph capture first (its ticket buffer grows)")
-        _TICKETS[device] = have = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        # 4 MB covers w2 at T = 9362 (K2.6 TP-8, 112 tickets a token), so graphs captured first rarely grow it
+        _TICKETS[device] = have = torch.zeros(max(n, 1 << 20), dtype=torch.int32, device=device)
     return have
 
 
