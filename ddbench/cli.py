@@ -13,6 +13,7 @@ from typing import List, Optional
 import typer
 
 from ddbench import UserError
+from ddbench.args import parse_int_list, parse_kernels  # noqa: F401 - parse_int_list: also `ddbench.cli.parse_int_list`
 
 app = typer.Typer(
     help="ddbench: benchmark and profile a Kimi K2.6 DDTree speculative engine "
@@ -32,6 +33,11 @@ SIMULATE_RANK = typer.Option(None, "--simulate-rank", help="Run only this rank's
 GPUS = typer.Option(None, "--gpus", help="Processes/GPUs for a real TP run (= --tp).")
 CONCURRENCY = typer.Option("1,10", "--concurrency", help="Streams decoded together: '1,10' or '1-4'.")
 OVERRIDE = typer.Option(None, "--override", "-o", help="Config field override FIELD=VALUE (repeatable).")
+KERNELS = typer.Option("default", "--kernels",
+                       help="Kernel choice FIELD=VALUE,..: moe=auto|marlin|triton|gemv|torch, attn=auto|cluster|split, "
+                            "pdl=on|wait|off, route=fused|separate, gemv=none|rope+add+.. (of linear, head, add, "
+                            "rope, norm), skinny=ROWS (0: off), stream=on|off; unnamed fields keep their defaults "
+                            "(`ddbench env` prints them). Recorded, resolved, in the sidecar.")
 
 
 def _version(value: bool) -> None:
@@ -70,24 +76,6 @@ def user_errors(fn):
     return wrapper
 
 
-def parse_int_list(text: str, what: str) -> list[int]:
-    """'1,2,4' or '1-4' -> list of ints (UserError on junk)."""
-    out = []
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part[1:]:
-                lo, hi = part.split("-", 1)
-                out.extend(range(int(lo), int(hi) + 1))
-            elif part:
-                out.append(int(part))
-    except ValueError:
-        raise UserError(f"{what}: cannot read {text!r} as a list of integers") from None
-    if not out:
-        raise UserError(f"{what}: empty list")
-    return out
-
-
 def check_output(out: Path, name: Optional[str] = None) -> None:
     """The shared output check every command runs before its first expensive step: --name is
     a plain file name, --out is writable, and NAME is free (UserError otherwise)."""
@@ -98,16 +86,19 @@ def check_output(out: Path, name: Optional[str] = None) -> None:
 
 @app.command()
 @user_errors
-def env(json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the facts to this JSON file.")):
-    """GPU(s), driver, CUDA, torch, triton, NCCL, clocks, memory and interconnect."""
+def env(json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the facts to this JSON file."),
+        kernels: str = KERNELS):
+    """GPU(s), driver, CUDA, torch, triton, NCCL, clocks, memory and interconnect, and what
+    the kernel choice (--kernels) runs on this machine."""
     from ddbench.envinfo import run
     from ddbench.results import ensure_out_dir
 
+    choice = parse_kernels(kernels)
     if json_out is not None:
         if json_out.is_dir():
             raise UserError(f"--json {json_out} is a folder; give a file name, e.g. {json_out / 'env.json'}")
         ensure_out_dir(json_out.parent, what="--json folder")
-    run(json_out)
+    run(json_out, choice)
 
 
 @app.command()
@@ -400,6 +391,7 @@ def decode(
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA graph for the decode step (GPU)."),
     init: str = typer.Option("auto", "--init", help="Random init: auto, exact (full tensors, sliced) or "
                                                     "shard (only this rank's, on the device)."),
+    kernels: str = KERNELS,
     name: Optional[str] = typer.Option(None, "--name", help="Result file name (default decode_<time>)."),
     seed: int = SEED, out: Path = OUT,
     override: Optional[List[str]] = OVERRIDE,
@@ -415,13 +407,13 @@ def decode(
     """
     from ddbench.decode import run
 
-    levels = parse_int_list(concurrency, "--concurrency")
+    levels, choice = parse_int_list(concurrency, "--concurrency"), parse_kernels(kernels)
     check_output(out, name)
     run(preset=preset, tp=tp, simulate_rank=simulate_rank, gpus=gpus,
         concurrency=levels, prompt_len=prompt_len,
         new_tokens=new_tokens, checkpoint=checkpoint, allreduce_model=allreduce_model,
         moe_backend=moe_backend, attn_backend=attn_backend, graph=graph, init=init, seed=seed, out=out,
-        override=override, name=name)
+        override=override, name=name, kernels=choice)
 
 
 # --- e2e ---
@@ -454,6 +446,7 @@ def e2e(
     attn_backend: str = typer.Option("auto", "--attn-backend", help="auto, torch or triton."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA graphs per phase (GPU)."),
     init: str = typer.Option("auto", "--init", help="Random init: auto, exact or shard."),
+    kernels: str = KERNELS,
     baseline: Optional[Path] = typer.Option(None, "--baseline",
                                             help="Folder with baseline CSVs (kind 'baseline') shown beside the "
                                                  "engine (default results/baseline, when it exists)."),
@@ -479,13 +472,14 @@ def e2e(
     if baseline is not None and not baseline.exists():
         raise UserError(f"--baseline {baseline}: no such file or folder")
     levels, budgets = parse_int_list(concurrency, "--concurrency"), parse_int_list(budget, "--budget")
+    choice = parse_kernels(kernels)
     check_output(out, name)
     run(preset=preset, tp=tp, simulate_rank=simulate_rank, gpus=gpus,
         concurrency=levels, budgets=budgets,
         acceptance=acceptance.split(","), prompt_len=prompt_len, new_tokens=new_tokens, checkpoint=checkpoint,
         allreduce_model=allreduce_model, moe_backend=moe_backend, attn_backend=attn_backend, graph=graph,
         init=init, topk=topk, seed=seed, out=out, override=override,
-        baseline=baseline or Path("results/baseline"), name=name)
+        baseline=baseline or Path("results/baseline"), name=name, kernel_choice=choice)
 
 
 def main():

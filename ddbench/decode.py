@@ -25,50 +25,10 @@ from pathlib import Path
 import torch
 
 from ddbench import UserError
+from ddbench.engine.build import build_model, check_fits, kernel_record, pick_backends
+from ddbench.engine.comm_model import predictor as allreduce_predictor
 from ddbench.engine.decode import PHASES as PHASE_COLS
-
-DEFAULT_ALLREDUCE = "nvlink-h200"
-
-
-def allreduce_predictor(spec: str | None, tp: int):
-    """`predict_us(nbytes)` of one TP-`tp` all-reduce from `ddbench.allreduce`'s model spec."""
-    from ddbench.allreduce import load_model
-
-    model = load_model(spec or DEFAULT_ALLREDUCE)
-    model = model.with_ranks(tp)
-    return model.predict_us, f"{model.source} (lat {model.lat_us:.1f} us, busbw {model.busbw_gbps} GB/s, n={tp})"
-
-
-def pick_backends(device: torch.device, moe: str, attn: str) -> tuple[str, str]:
-    """'auto' -> triton on GPU when the kernel module is present, else the torch reference."""
-    if moe == "auto":
-        moe = "torch"
-        if device.type == "cuda":
-            try:
-                import ddbench.kernels.moe_triton  # noqa: F401
-                moe = "triton"
-            except ImportError:
-                print("note: kernels.moe_triton is missing; using the (slow) torch MoE reference")
-    if attn == "auto":
-        from ddbench.kernels import mla_attn
-        attn = "triton" if device.type == "cuda" and hasattr(mla_attn, "mla_attention") else "torch"
-    for what, v in (("--moe-backend", moe), ("--attn-backend", attn)):
-        if v not in ("torch", "triton"):
-            raise UserError(f"{what} {v!r}: choose auto, torch or triton")
-    return moe, attn
-
-
-def build_model(cfg, comm, checkpoint: Path | None, moe: str, attn: str, seed: int, device, init: str):
-    """The Transformer on `device`, from a checkpoint or random weights -> (model, init used)."""
-    from ddbench.engine import checkpoint as ck
-    from ddbench.engine.model import Transformer
-    from ddbench.engine.weights import init_random
-
-    model = Transformer(cfg, comm, moe_backend=moe, attn_backend=attn, device=device)
-    if checkpoint is not None:
-        ck.load_into(model, checkpoint)
-        return model, "checkpoint"
-    return model, init_random(model, seed, init)
+from ddbench.kernels.select import KernelChoice, resolve
 
 
 def measure_rows(model, concurrency: list[int], prompt_len: int, new_tokens: int, seed: int,
@@ -100,30 +60,6 @@ def measure_rows(model, concurrency: list[int], prompt_len: int, new_tokens: int
         on_row(row)
 
 
-def check_fits(cfg, device: torch.device, n_streams: int, max_len: int) -> int:
-    """Bytes of the rank's weights + KV cache; UserError if they cannot fit on `device`."""
-    from ddbench.engine.model import Transformer
-    from ddbench.engine.parallel import SimComm
-
-    comm = SimComm(cfg.tp, cfg.rank, lambda n: 0.0)
-    meta = Transformer(cfg, comm, device="meta", fused="torch")
-    need = sum(t.numel() * t.element_size() for t in meta.state_dict().values())
-    need += n_streams * max_len * cfg.kv_values_per_token * 2
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        try:
-            with open("/proc/meminfo") as f:
-                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
-        except (OSError, StopIteration):
-            return need
-    if need > 0.95 * free:
-        hint = "try --tp 8 --simulate-rank 0" if cfg.tp == 1 else "try --preset tiny or a larger device"
-        raise UserError(f"{cfg.name} tp={cfg.tp} rank {cfg.rank} needs {need / 1e9:.1f} GB of weights and KV "
-                        f"cache but {device} has {free / 1e9:.1f} GB free ({hint})")
-    return need
-
-
 def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
     """One process of a real TP run (see `ddbench.ranks`); rank 0 reports rows."""
     from ddbench.ranks import init_rank
@@ -137,7 +73,7 @@ def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
     else:
         cfg = make_preset(kw["preset"], tp=tp, rank=rank, **kw["overrides"])
     model, init = build_model(cfg, DistComm(), kw["checkpoint"], kw["moe"], kw["attn"], kw["seed"],
-                              device, kw["init"])
+                              device, kw["init"], kw["kernels"])
     copy_bw = None
     if device.type == "cuda":
         from ddbench.timing import copy_bandwidth_gbps
@@ -150,7 +86,7 @@ def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
 def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | None, concurrency: list[int],
         prompt_len: int, new_tokens: int, checkpoint: Path | None, allreduce_model: str | None,
         moe_backend: str, attn_backend: str, graph: bool, init: str, seed: int, out: Path,
-        override: list[str] | None, name: str | None = None) -> Path:
+        override: list[str] | None, name: str | None = None, kernels: KernelChoice | None = None) -> Path:
     from rich.console import Console
     from rich.progress import Progress
 
@@ -185,16 +121,18 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     else:
         cfg = make_preset(preset, tp=tp, rank=rank, **overrides)
     moe, attn = pick_backends(device, moe_backend, attn_backend)
+    kernels = kernels or KernelChoice()
 
     predict, model_desc = (None, None)
     if simulate_rank is not None and tp > 1:
         predict, model_desc = allreduce_predictor(allreduce_model, tp)
     mode = "distributed" if distributed else ("simulated" if tp > 1 else "single")
     base = {"preset": cfg.name, "tp": tp, "rank": rank if not distributed else "all", "mode": mode,
-            "moe_backend": moe, "attn_backend": attn, "device": str(device),
+            "moe_backend": moe, "attn_backend": attn, "kernels": str(kernels), "device": str(device),
             "checkpoint": str(checkpoint) if checkpoint else ""}
     meta = run_metadata("decode", preset=cfg.name, seed=seed, tp=tp, simulate_rank=simulate_rank, mode=mode,
                         allreduce_model=model_desc, config=cfg.to_dict(), moe_backend=moe, attn_backend=attn,
+                        kernels=resolve(kernels, device),
                         method="step_us: CUDA-graph replay per step (CUDA events); *_us phases: a second "
                                "graph of the step with timing events at phase boundaries, median of 5 replays "
                                "(phase_method graph) or one eager step with events (phase_method eager); "
@@ -207,7 +145,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
         task = progress.add_task(f"decode {cfg.name} tp={tp} {mode}", total=total_rows)
         if distributed:
             kw = dict(device=device.type, preset=preset, overrides=overrides, checkpoint=checkpoint, moe=moe,
-                      attn=attn, seed=seed, init=init, concurrency=concurrency, prompt_len=prompt_len,
+                      attn=attn, kernels=kernels, seed=seed, init=init, concurrency=concurrency, prompt_len=prompt_len,
                       new_tokens=new_tokens, graph=graph, base=base)
             from ddbench.ranks import run_ranks
 
@@ -223,11 +161,11 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
             t0 = time.perf_counter()
             progress.update(task, description=f"init {cfg.name} tp={tp} rank {rank}")
             try:
-                model, used = build_model(cfg, comm, checkpoint, moe, attn, seed, device, init)
+                model, used = build_model(cfg, comm, checkpoint, moe, attn, seed, device, init, kernels)
             except torch.cuda.OutOfMemoryError as e:
                 raise UserError(f"out of GPU memory building {cfg.name} tp={tp} rank {rank}: {e}") from None
             init_s = time.perf_counter() - t0
-            writer.meta.update(init=used, init_s=round(init_s, 2))
+            writer.meta.update(init=used, init_s=round(init_s, 2), kernels=kernel_record(model, concurrency))
             copy_bw = None
             if cuda:
                 from ddbench.timing import copy_bandwidth_gbps

@@ -41,7 +41,7 @@ PHASE_COLS = ("draft", "tree", "verify_attention", "verify_moe", "verify_other",
 
 def parse_prompt_lens(text: str) -> list[int]:
     """'128' or '100,300' (cycled over streams) -> list of prompt lengths."""
-    from ddbench.cli import parse_int_list
+    from ddbench.args import parse_int_list
 
     lens = parse_int_list(text, "--prompt-len")
     if min(lens) < 1:
@@ -203,27 +203,17 @@ def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prom
                 torch.cuda.empty_cache()
 
 
-def build_engine(cfg, comm, checkpoint, moe: str, attn: str, seed: int, device, init: str):
-    """Target (checkpoint or random) and a random drafter of the same TP shard."""
-    from ddbench.decode import build_model
-    from ddbench.engine.drafter import Drafter, drafter_config
-
-    model, used = build_model(cfg, comm, checkpoint, moe, attn, seed, device, init)
-    drafter = Drafter(drafter_config(cfg), model, comm, device=device, dtype=model.dtype)
-    drafter.init_random(seed)
-    return model, drafter, used
-
-
 def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
     """One process of a real TP run (see `ddbench.ranks`); every rank runs the same sequence
     (same seeds, so the same prompts, draws and decisions) and rank 0 reports the rows."""
     from ddbench.ranks import init_rank
+    from ddbench.engine.build import build_engine
     from ddbench.engine.parallel import DistComm
 
     device = init_rank(rank, tp, port, kw["device"], 300)
     cfg = _config(kw["preset"], kw["checkpoint"], tp, rank, kw["overrides"])
     model, drafter, used = build_engine(cfg, DistComm(), kw["checkpoint"], kw["moe"], kw["attn"], kw["seed"],
-                                        device, kw["init"])
+                                        device, kw["init"], kw["kernel_choice"])
     copy_bw = None
     if device.type == "cuda":
         from ddbench.timing import copy_bandwidth_gbps
@@ -301,11 +291,13 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
         budgets: list[int], acceptance: list[str], prompt_len: str, new_tokens: int, checkpoint: Path | None,
         allreduce_model: str | None, moe_backend: str, attn_backend: str, graph: bool, init: str,
         topk: int | None, seed: int, out: Path, override: list[str] | None,
-        baseline: Path = Path("results/baseline"), name: str | None = None) -> Path:
+        baseline: Path = Path("results/baseline"), name: str | None = None, kernel_choice=None) -> Path:
     from rich.console import Console
     from rich.progress import Progress
 
-    from ddbench.decode import allreduce_predictor, pick_backends
+    from ddbench.engine.build import build_engine, kernel_record, pick_backends
+    from ddbench.engine.comm_model import predictor as allreduce_predictor
+    from ddbench.kernels.select import KernelChoice, resolve
     from ddbench.ranks import check_layout
     from ddbench.results import ResultWriter, run_metadata
     from ddbench.engine.config import parse_overrides
@@ -342,16 +334,18 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     if not accs:
         raise UserError("--acceptance: give at least one of real, synthetic:TAU, profile:FILE")
     moe, attn = pick_backends(device, moe_backend, attn_backend)
+    kernel_choice = kernel_choice or KernelChoice()
     predict, model_desc = (None, None)
     if tp > 1 and not distributed:
         predict, model_desc = allreduce_predictor(allreduce_model, tp)
     mode = "distributed" if distributed else ("simulated" if tp > 1 else "single")
     base = {"preset": cfg.name, "tp": tp, "rank": "all" if distributed else rank, "mode": mode, "moe_backend": moe, "attn_backend": attn,
-            "device": str(device), "checkpoint": str(checkpoint) if checkpoint else "",
+            "kernels": str(kernel_choice), "device": str(device), "checkpoint": str(checkpoint) if checkpoint else "",
             "drafter": f"{dc.n_layers}L {dc.n_heads}q/{dc.n_kv_heads}kv block {dc.block}"}
     meta = run_metadata("e2e", preset=cfg.name, seed=seed, tp=tp, simulate_rank=simulate_rank, mode=mode,
                         allreduce_model=model_desc, config=cfg.to_dict(), drafter=dict(vars(dc)),
-                        moe_backend=moe, attn_backend=attn, acceptance=[a.label for a in accs],
+                        moe_backend=moe, attn_backend=attn, kernels=resolve(kernel_choice, device),
+                        acceptance=[a.label for a in accs],
                         method=__doc__.split("How a run is timed (engine/spec.py has the loop):")[1].strip())
     n_rows = len(concurrency) * (1 + len(budgets) * len(accs))
     errors: list[str] = []
@@ -363,7 +357,8 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
             progress.advance(task)
         if distributed:
             kw = dict(device=device.type, preset=preset, overrides=overrides, checkpoint=checkpoint, moe=moe,
-                      attn=attn, seed=seed, init=init, concurrency=concurrency, budgets=budgets, accs=accs,
+                      attn=attn, kernel_choice=kernel_choice, seed=seed, init=init, concurrency=concurrency,
+                      budgets=budgets, accs=accs,
                       lens=lens, new_tokens=new_tokens, topk=topk, graph=graph, base=base)
             progress.update(task, description=f"e2e {cfg.name} tp={tp} distributed ({tp} processes)")
             from ddbench.ranks import run_ranks
@@ -373,11 +368,13 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
             comm = SimComm(tp, rank, predict) if tp > 1 else LocalComm()
             t0 = time.perf_counter()
             try:
-                model, drafter, used = build_engine(cfg, comm, checkpoint, moe, attn, seed, device, init)
+                model, drafter, used = build_engine(cfg, comm, checkpoint, moe, attn, seed, device, init,
+                                                    kernel_choice)
             except torch.cuda.OutOfMemoryError as e:
                 raise UserError(f"out of GPU memory building {cfg.name} tp={tp} rank {rank}: {e}") from None
             writer.meta.update(init=used, init_s=round(time.perf_counter() - t0, 2),
-                               drafter_weight_bytes=drafter.weight_bytes())
+                               drafter_weight_bytes=drafter.weight_bytes(),
+                               kernels=kernel_record(model, [c * (b + 1) for c in concurrency for b in [0, *budgets]]))
             copy_bw = None
             if cuda:
                 from ddbench.timing import copy_bandwidth_gbps

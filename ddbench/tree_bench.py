@@ -81,6 +81,14 @@ def attn_bench(call, make_cache, *, device, reps, use_graph, copies=4):
     return bench(step, device=device, warmup=copies, reps=reps, graph=True, graph_ops=copies)
 
 
+def _kernel_record(device) -> dict:
+    """The kernel choice these calls run under (every default: `mla_attention` with its
+    default PDL mode and tiles), resolved on `device`."""
+    from ddbench.kernels.select import KernelChoice, resolve
+
+    return resolve(KernelChoice(), device)
+
+
 def planted_argmax(tree, gen, n_pos):
     """Target argmax per node that accepts a random-depth path (up to the tree's depth)."""
     b, n = tree.parent.shape
@@ -166,7 +174,7 @@ def run(*, budgets, streams, prefixes, heads, topk, positions, dtype, kernels, m
               + 2 * ("accept" in kernels) + ("commit" in kernels)) + len(attn_jobs))
     meta = run_metadata("tree_bench", preset=cfg.name, seed=seed, dtype=dtype, cpu_tiny=not cuda,
                         copy_bw_gbps=copy_bw, latent=latent, rope=rope, vocab=vocab,
-                        attn_skipped_above_gflop=skipped)
+                        attn_skipped_above_gflop=skipped, kernels=_kernel_record(dev))
     base = {c: "" for c in COLUMNS}
     base.update(dtype=dtype, topk=topk, positions=positions, device=device_name, copy_bw_gbps=round(copy_bw, 1))
 
@@ -298,7 +306,8 @@ def run_tune(*, topk, positions, reps, seed, out, name, time_limit_s=40.0):
     base = {c: "" for c in COLUMNS}
     base.update(dtype="bf16", topk=topk, positions=positions, device=torch.cuda.get_device_name(dev),
                 copy_bw_gbps=round(copy_bw, 1))
-    meta = run_metadata("tree_bench", seed=seed, dtype="bf16", tune=True, copy_bw_gbps=copy_bw)
+    meta = run_metadata("tree_bench", seed=seed, dtype="bf16", tune=True, copy_bw_gbps=copy_bw,
+                        kernels=_kernel_record(dev))
     ckv = torch.randn(b, p + 65, 512, device=dev, generator=g).to(dt)
     kpe = torch.randn(b, p + 65, 64, device=dev, generator=g).to(dt)
     plen = torch.full((b,), p, device=dev, dtype=torch.int32)

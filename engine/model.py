@@ -10,8 +10,14 @@ returns full-vocab fp32 logits for every new token. It never advances `prefix_le
 Weights are allocated uninitialised; `engine.weights` fills them (random init or a
 checkpoint), sharded for `comm`'s rank. BF16 everywhere except the routed experts, which
 are INT4 in Marlin layout and run through `kernels.moe.fused_moe`.
+
+Which kernel runs where is the model's `kernels` (a frozen `kernels.select.KernelChoice`,
+given at construction and handed to every call that depends on it); the model reads no
+kernel module's switches.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -19,34 +25,46 @@ from torch import nn
 from ddbench.engine.config import ConfigError, ModelConfig
 from ddbench.engine.kv_cache import KVCache
 from ddbench.engine.parallel import (ColumnParallelLinear, Comm, Linear, LocalComm, ParallelLMHead,
-                             RowParallelLinear, VocabParallelEmbedding)
+                                     RowParallelLinear, VocabParallelEmbedding, linear)
 from ddbench.engine.phases import phase
 from ddbench.engine.rope import rope_cos_sin, yarn_freqs
 from ddbench.kernels import fused_ops, mla_decode, pdl, skinny
 from ddbench.kernels.moe import MarlinMoE, fused_moe, route, uses_gemv
-from ddbench.kernels.skinny import heads_linear, linear
-
-SIDE_STREAM = True   # CUDA: the shared expert's gate/up GEMM runs on a second stream (MoE.forward)
+from ddbench.kernels.select import KernelChoice
 
 
 class Ops:
-    """The small fused ops of the step: Triton kernels (GPU) or their torch references."""
+    """The small fused ops of the step under the kernel choice `kernels`: Triton kernels
+    (GPU) or their torch references."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, kernels: KernelChoice | None = None):
         if kind not in ("torch", "triton"):
             raise ConfigError(f"unknown fused-ops backend {kind!r}; choose torch or triton")
         tri = kind == "triton"
-        self.kind = kind
-        self.rms_norm = fused_ops.rms_norm if tri else fused_ops.rms_norm_ref
-        self.mla_a_post = fused_ops.mla_a_post if tri else fused_ops.mla_a_post_ref
+        self.kind, self.kernels = kind, kernels or KernelChoice()
+        self.pdl_mode = self.kernels.pdl_mode
         self.rope_ = fused_ops.rope_ if tri else fused_ops.rope_ref_
         self.silu_mul = fused_ops.silu_mul if tri else fused_ops.silu_mul_ref
         self._side: dict[torch.device, torch.cuda.Stream] = {}
 
+    def rms_norm(self, x, w, eps, residual=None):
+        if self.kind == "torch":
+            return fused_ops.rms_norm_ref(x, w, eps, residual)
+        return fused_ops.rms_norm(x, w, eps, residual, pdl_mode=self.pdl_mode)
+
+    def mla_a_post(self, qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps):
+        if self.kind == "torch":
+            return fused_ops.mla_a_post_ref(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps)
+        return fused_ops.mla_a_post(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps, pdl_mode=self.pdl_mode)
+
+    def linear(self, x, w, add=None, reuse_add=False, kind="linear"):
+        """x W^T (+ add) under the kernel choice (`engine.parallel.linear`)."""
+        return linear(self.kernels, x, w, add, reuse_add, kind)
+
     def side_stream(self, x: torch.Tensor):
         """A second CUDA stream on x's device for work beside the main chain (one per device,
-        kept), or None off CUDA or with SIDE_STREAM off."""
-        if not (SIDE_STREAM and x.is_cuda):
+        kept), or None off CUDA or with the choice's stream=off."""
+        if not (self.kernels.side_stream and x.is_cuda):
             return None
         if x.device not in self._side:
             self._side[x.device] = torch.cuda.Stream(x.device)
@@ -57,38 +75,52 @@ class Ops:
         gate GEMM in the model dtype (fp32 accumulate) and fuses sigmoid/top-k/renorm."""
         if self.kind == "torch":
             return route(x, gate, bias, top_k, scaling)
-        return fused_ops.route(linear(x, gate), bias, top_k, scaling)
+        return self.route_logits(self.linear(x, gate), bias, top_k, scaling)
+
+    def route_logits(self, logits, bias, top_k, scaling):
+        """The router after its gate GEMM (`fused_ops.route`)."""
+        return fused_ops.route(logits, bias, top_k, scaling, pdl_mode=self.pdl_mode)
 
     def fuses(self, x, w) -> bool:
         """Whether a norm before x W^T, or SiLU(gate) * up, rope or the router's top-k after it,
-        rides in the skinny GEMM: Triton ops and `skinny.fits` (CUDA, few rows; skinny.MAX_ROWS
-        = 0 turns it off)."""
-        return self.kind == "triton" and skinny.fits(x, w)
+        rides in the skinny GEMM: Triton ops and `skinny.fits` (CUDA, at most the choice's
+        `skinny` rows; 0 turns it off)."""
+        return self.kind == "triton" and skinny.fits(x, w, self.kernels.skinny)
+
+    def gemv(self, kind: str) -> bool:
+        """Whether the choice runs a one-row call of `kind` on kernels.gemv."""
+        return kind in self.kernels.gemv
 
     def norm_linear(self, norm, x, residual, w, glu=False):
         """-> (y, h): h = residual + x (x when residual is None), y = norm(h) W^T, with glu
         SiLU(gate) * up of the [gate | up] product. One skinny kernel where `fuses`, else
         the norm kernel, the GEMM and silu_mul."""
         if self.fuses(x, w):
-            y, h, _, _ = skinny.norm_linear(x, norm.weight, norm.eps, w, residual, glu=glu)
+            y, h, _, _ = skinny.norm_linear(x, norm.weight, norm.eps, w, residual, glu=glu,
+                                            cuda_gemv=self.gemv("norm"), pdl_mode=self.pdl_mode)
             return y, (x if residual is None else h)
         xn, h = norm(x, residual=residual) if residual is not None else (norm(x), x)
-        return self.glu_linear(xn, w) if glu else linear(xn, w), h
+        return self.glu_linear(xn, w) if glu else self.linear(xn, w), h
 
     def rope_linear(self, x, w, cos, sin, head, offset):
         """x W^T `[.., N]` as heads of `head` columns with interleaved rope (cos/sin `[.., R/2]`)
         on columns offset.. of each: the skinny GEMM's epilogue where `fuses`, else rope_ after."""
         if self.fuses(x, w):
-            return skinny.skinny_linear(x, w, rope=(cos, sin, head, offset))
-        y = linear(x, w)
+            return skinny.skinny_linear(x, w, rope=(cos, sin, head, offset), cuda_gemv=self.gemv("rope"),
+                                        pdl_mode=self.pdl_mode)
+        y = self.linear(x, w)
         self.rope_(y.view(*y.shape[:-1], -1, head), cos, sin, offset)            # [.., N/head, head], in place
         return y
 
     def glu_linear(self, x, w):
         """SiLU(x gate^T) * (x up^T) for w = [gate | up] rows `[2I, K]` -> `[.., I]`."""
         if self.fuses(x, w):
-            return skinny.skinny_linear(x, w, glu=True)
-        return self.silu_mul(linear(x, w))
+            return skinny.skinny_linear(x, w, glu=True, pdl_mode=self.pdl_mode)
+        return self.silu_mul(self.linear(x, w))
+
+    def heads_linear(self, x, w):
+        """Per-head products (`skinny.heads_linear`) under the choice."""
+        return skinny.heads_linear(x, w, max_rows=self.kernels.skinny, pdl_mode=self.pdl_mode)
 
 
 class RMSNorm(nn.Module):
@@ -104,15 +136,13 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def _attention_fn(backend: str):
+def _attention_fn(backend: str, pdl_mode: int):
     if backend == "torch":
         from ddbench.kernels.mla_attn import mla_attention_ref
         return mla_attention_ref
     if backend == "triton":
         from ddbench.kernels import mla_attn
-        if not hasattr(mla_attn, "mla_attention"):
-            raise ConfigError("attn_backend='triton' but kernels.mla_attn has no mla_attention yet")
-        return mla_attn.mla_attention
+        return functools.partial(mla_attn.mla_attention, pdl_mode=pdl_mode)
     raise ConfigError(f"unknown attention backend {backend!r}; choose torch or triton")
 
 
@@ -130,15 +160,18 @@ class MLA(nn.Module):
         super().__init__()
         self.cfg, self.layer, self.ops = cfg, layer, ops
         h, nh = cfg.hidden, cfg.n_heads
-        self.wqkv_a = Linear(h, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_dim, device, dtype)
+        k = ops.kernels
+        self.wqkv_a = Linear(h, cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_dim, device, dtype, k)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, ops, device, dtype)   # weights used by mla_a_post
-        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, nh * cfg.qk_head_dim, comm, device, dtype)
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, nh * cfg.qk_head_dim, comm, device, dtype, k)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, ops, device, dtype)
         self.wkv_b = ColumnParallelLinear(cfg.kv_lora_rank, nh * (cfg.qk_nope_dim + cfg.v_head_dim), comm,
-                                          device, dtype)
-        self.wo = RowParallelLinear(nh * cfg.v_head_dim, h, comm, device, dtype)
-        self.attend = _attention_fn(attn_backend)
-        self.one_launch = attn_backend == "triton"     # decode: kernels.mla_decode where it fits
+                                          device, dtype, k)
+        self.wo = RowParallelLinear(nh * cfg.v_head_dim, h, comm, device, dtype, k)
+        self.attend = _attention_fn(attn_backend, ops.pdl_mode)
+        # decode: kernels.mla_decode where it fits, for calls of up to this many streams (None: any)
+        self.one_launch = attn_backend == "triton" and k.attn_streams() != 0
+        self.one_launch_streams = k.attn_streams()
 
     def forward(self, qkv, cos, sin, cache: KVCache, prefix_len, visible):
         """qkv = wqkv_a(x) `[B, T, Q+L+Dr]` (the Block fuses the pre-norm into that GEMM)."""
@@ -152,13 +185,14 @@ class MLA(nn.Module):
                                   cfg.norm_eps)
         q = self.ops.rope_linear(q_a, self.wq_b.weight, cos, sin, dn + dr, dn)  # wq_b, rope on the rope dims
         q = q.view(b, t, nh, dn + dr)                                           # [B, T, nh, Dn+Dr]
-        if self.one_launch and mla_decode.fits(q, self.wkv_b.weight, ckv, kpe, prefix_len, visible):
+        if self.one_launch and mla_decode.fits(q, self.wkv_b.weight, ckv, kpe, prefix_len, visible,
+                                               self.one_launch_streams):
             o = mla_decode.mla_decode(q, self.wkv_b.weight, ckv, kpe, prefix_len, visible, cfg.softmax_scale,
-                                      pdl=pdl.on(q) > 0)                         # [B, 1, nh, Dv]
+                                      pdl=pdl.on(q, self.ops.pdl_mode) > 0)      # [B, 1, nh, Dv]
             return self.wo(o.reshape(b, t, nh * dv))
         q_nope, q_pe = q.split([dn, dr], dim=-1)                               # [B, T, nh, Dn], [.., Dr]
         wkv_b = self.wkv_b.weight.view(nh, dn + dv, lat)                       # [nh, Dn+Dv, L]
-        q_lat = heads_linear(q_nope, wkv_b[:, :dn].transpose(1, 2))            # [B, T, nh, L]
+        q_lat = self.ops.heads_linear(q_nope, wkv_b[:, :dn].transpose(1, 2))   # [B, T, nh, L]
         # attention in the latent space, then each head's value rows of wkv_b (the attention's
         # merge launch does that product at decode sizes)
         o = self.attend(q_lat, q_pe.to(q_lat.dtype), ckv, kpe, prefix_len, visible, cfg.softmax_scale,
@@ -175,8 +209,8 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int, comm: Comm, ops: Ops, device, dtype):
         super().__init__()
         self.ops, self.inter_local = ops, inter // comm.tp
-        self.w13 = ColumnParallelLinear(hidden, 2 * inter, comm, device, dtype)
-        self.w2 = RowParallelLinear(inter, hidden, comm, device, dtype)
+        self.w13 = ColumnParallelLinear(hidden, 2 * inter, comm, device, dtype, ops.kernels)
+        self.w2 = RowParallelLinear(inter, hidden, comm, device, dtype, ops.kernels)
 
     def forward(self, x, reduce: bool = True, add=None, add_rows: int = 1):
         """`add` (same shape as the output, overwritten) is summed into the down GEMM (addmm_, one
@@ -197,9 +231,10 @@ class MLP(nn.Module):
         if add is None:
             return self.w2(act, reduce=reduce)                                 # [.., H]
         if add_rows > 1:                                                       # sum of add's rows + act W2^T
-            y = skinny.skinny_linear(act, self.w2.weight, add=add, add_rows=add_rows)
-        else:
-            y = linear(act, self.w2.weight, add=add, reuse_add=True)           # add + act W2^T (into add)
+            y = skinny.skinny_linear(act, self.w2.weight, add=add, add_rows=add_rows,
+                                     cuda_gemv=self.ops.gemv("add"), pdl_mode=self.ops.pdl_mode)
+        else:                                                                  # add + act W2^T (into add)
+            y = self.ops.linear(act, self.w2.weight, add=add, reuse_add=True, kind="add")
         return self.w2.comm.all_reduce(y) if reduce else y
 
 
@@ -228,7 +263,7 @@ class MoE(nn.Module):
     def forward(self, a, res, norm: RMSNorm):
         """-> (moe(norm(res + a)), res + a). Where the ops fuse it, the norm rides in the
         router's gate GEMM, which also writes the normed x and, for the CUDA-core expert path, its
-        fp16 copy, that path's input (saves its cast launch) and, with skinny.FUSE_ROUTE,
+        fp16 copy, that path's input (saves its cast launch) and, with the choice's route=fused,
         routes the tokens in its last program (saves the route launch)."""
         b, t, h = a.shape
         cfg, experts = self.cfg, self.experts()
@@ -236,12 +271,13 @@ class MoE(nn.Module):
         xh = None
         if self.ops.fuses(af, self.gate):
             with phase("moe"):
-                want_xh = self.backend == "triton" and uses_gemv(b * t, cfg.top_k, experts, af.device)
+                want_xh = self.backend == "triton" and uses_gemv(b * t, cfg.top_k, experts, af.device,
+                                                                 kernel=self.ops.kernels.moe, dtype=af.dtype)
                 route = (self.bias, cfg.top_k, cfg.routed_scaling)
-                logits, res, xf, xh, *topk = skinny.norm_linear(af, norm.weight, norm.eps, self.gate, res,
-                                                                out_xn=True, out_xh=want_xh,
-                                                                route=route if skinny.FUSE_ROUTE else None)  # [N, E]
-                ids, w = topk or fused_ops.route(logits, *route)                  # [N, k] each
+                logits, res, xf, xh, *topk = skinny.norm_linear(
+                    af, norm.weight, norm.eps, self.gate, res, out_xn=True, out_xh=want_xh,
+                    route=route if self.ops.kernels.fuse_route else None, pdl_mode=self.ops.pdl_mode)  # [N, E]
+                ids, w = topk or self.ops.route_logits(logits, *route)            # [N, k] each
         else:
             with phase("mlp"):
                 xf, res = norm(af, residual=res)                              # res += a; xf = norm(res)
@@ -264,7 +300,7 @@ class MoE(nn.Module):
                 act = self.shared.gate_up(xf)                                 # [N, I/tp]
         with phase("moe"):
             y = fused_moe(xf, ids, w, experts, self.backend, x_half=xh, sum_k=k_rows == 1,
-                          stream_rows=t)                                 # [N * k_rows, H]
+                          stream_rows=t, kernel=self.ops.kernels.moe)     # [N * k_rows, H]
         with phase("mlp"):
             if side is None:
                 act = self.shared.gate_up(xf)
@@ -312,7 +348,8 @@ class Transformer(nn.Module):
     """The K2.6 target model (one TP rank's shard when comm.tp > 1)."""
 
     def __init__(self, cfg: ModelConfig, comm: Comm | None = None, moe_backend: str = "torch",
-                 attn_backend: str = "torch", device=None, dtype=torch.bfloat16, fused: str = "auto"):
+                 attn_backend: str = "torch", device=None, dtype=torch.bfloat16, fused: str = "auto",
+                 kernels: KernelChoice | None = None):
         super().__init__()
         comm = comm or LocalComm()
         if (comm.tp, comm.rank) != (cfg.tp, cfg.rank):
@@ -325,12 +362,13 @@ class Transformer(nn.Module):
         self.moe_backend, self.attn_backend = moe_backend, attn_backend
         if fused == "auto":  # the Triton kernels on GPU; the references on CPU
             fused = "triton" if torch.device(device or "cpu").type == "cuda" else "torch"
-        self.ops = ops = Ops(fused)
+        self.kernels = kernels or KernelChoice()
+        self.ops = ops = Ops(fused, self.kernels)
         self.tok_embed = VocabParallelEmbedding(cfg.vocab, cfg.hidden, comm, device, dtype)
         self.layers = nn.ModuleList(Block(cfg, comm, i, moe_backend, attn_backend, ops, device, dtype)
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, ops, device, dtype)
-        self.head = ParallelLMHead(cfg.hidden, cfg.vocab, comm, device, dtype)
+        self.head = ParallelLMHead(cfg.hidden, cfg.vocab, comm, device, dtype, self.kernels)
         self.register_buffer("freqs", yarn_freqs(cfg).to(device), persistent=False)
 
     @property

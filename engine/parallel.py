@@ -1,4 +1,4 @@
-"""Tensor parallelism: a `Comm` and a small vocabulary of parallel layers (DESIGN §3, §8).
+"""Tensor parallelism: a `Comm` and a small vocabulary of parallel layers (docs/DESIGN.md §3, §8).
 
 The model only talks to a `Comm`; nothing else calls `torch.distributed`.
 
@@ -13,7 +13,8 @@ Layers (weights are the rank's shard; sharding itself happens in `engine.weights
 `Linear` (replicated), `ColumnParallelLinear` (output dim split), `RowParallelLinear`
 (input dim split, all-reduce after unless `reduce=False`), `VocabParallelEmbedding`
 (rows split, all-reduce of the masked lookups), `ParallelLMHead` (rows split, all-gather
-of the logits).
+of the logits). Each layer runs its GEMM under a kernel choice (`kernels.select`; default:
+its defaults), the model's own where the model builds it.
 """
 from __future__ import annotations
 
@@ -24,7 +25,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddbench.engine.phases import phase
-from ddbench.kernels.skinny import linear
+from ddbench.kernels import skinny
+from ddbench.kernels.select import KernelChoice
+
+DEFAULT_KERNELS = KernelChoice()
+
+
+def linear(kernels: KernelChoice, x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
+           reuse_add: bool = False, kind: str = "linear") -> torch.Tensor:
+    """x W^T (+ add) under the kernel choice: `kernels.skinny.linear` with the choice's row
+    limit, its PDL mode and kernels.gemv where the choice names this call's `kind` (one of
+    `kernels.select.GEMV_CALLS`)."""
+    return skinny.linear(x, w, add, reuse_add, max_rows=kernels.skinny, cuda_gemv=kind in kernels.gemv,
+                         pdl_mode=kernels.pdl_mode)
 
 
 class Comm:
@@ -121,40 +134,44 @@ def _weight(out_f: int, in_f: int, device, dtype) -> nn.Parameter:
 class Linear(nn.Module):
     """Replicated linear, no bias: y = x W^T with W `[out, in]`."""
 
-    def __init__(self, in_f: int, out_f: int, device=None, dtype=None):
+    def __init__(self, in_f: int, out_f: int, device=None, dtype=None, kernels: KernelChoice = DEFAULT_KERNELS):
         super().__init__()
+        self.kernels = kernels
         self.weight = _weight(out_f, in_f, device, dtype)
 
     def forward(self, x):
-        return linear(x, self.weight)
+        return linear(self.kernels, x, self.weight)
 
 
 class ColumnParallelLinear(nn.Module):
     """Output dim split over ranks: W shard `[out/tp, in]`, output stays sharded."""
 
-    def __init__(self, in_f: int, out_f: int, comm: Comm, device=None, dtype=None):
+    def __init__(self, in_f: int, out_f: int, comm: Comm, device=None, dtype=None,
+                 kernels: KernelChoice = DEFAULT_KERNELS):
         super().__init__()
         if out_f % comm.tp:
             raise ValueError(f"out features {out_f} do not split over tp={comm.tp}")
+        self.kernels = kernels
         self.weight = _weight(out_f // comm.tp, in_f, device, dtype)
 
     def forward(self, x):
-        return linear(x, self.weight)
+        return linear(self.kernels, x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
     """Input dim split over ranks: W shard `[out, in/tp]`; the partial outputs are
     all-reduced unless `reduce=False` (then the caller reduces, e.g. once for two sums)."""
 
-    def __init__(self, in_f: int, out_f: int, comm: Comm, device=None, dtype=None):
+    def __init__(self, in_f: int, out_f: int, comm: Comm, device=None, dtype=None,
+                 kernels: KernelChoice = DEFAULT_KERNELS):
         super().__init__()
         if in_f % comm.tp:
             raise ValueError(f"in features {in_f} do not split over tp={comm.tp}")
-        self.comm = comm
+        self.comm, self.kernels = comm, kernels
         self.weight = _weight(out_f, in_f // comm.tp, device, dtype)
 
     def forward(self, x, reduce: bool = True):
-        y = linear(x, self.weight)
+        y = linear(self.kernels, x, self.weight)
         return self.comm.all_reduce(y) if reduce else y
 
 
@@ -188,13 +205,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(nn.Module):
     """Rows `[vocab/tp, H]`; local logits (fp32) all-gathered to the full vocab."""
 
-    def __init__(self, hidden: int, vocab: int, comm: Comm, device=None, dtype=None):
+    def __init__(self, hidden: int, vocab: int, comm: Comm, device=None, dtype=None,
+                 kernels: KernelChoice = DEFAULT_KERNELS):
         super().__init__()
         if vocab % comm.tp:
             raise ValueError(f"vocab {vocab} does not split over tp={comm.tp}")
-        self.comm = comm
+        self.comm, self.kernels = comm, kernels
         self.weight = _weight(vocab // comm.tp, hidden, device, dtype)
 
     def forward(self, h):
-        logits = linear(h, self.weight, gemv_kind="head").float()   # [.., vocab/tp]
+        logits = linear(self.kernels, h, self.weight, kind="head").float()   # [.., vocab/tp]
         return self.comm.all_gather(logits, dim=-1)  # [.., vocab]

@@ -1,4 +1,4 @@
-"""DDTree kernels: top-K extraction, tree builder, greedy accept and KV commit (DESIGN §5).
+"""DDTree kernels: top-K extraction, tree builder, greedy accept and KV commit (docs/DESIGN.md §5).
 
 Everything is batched over streams (one tree per stream) and free of host syncs, so a
 decode step that uses these can be captured in a CUDA graph. Each kernel has a plain
@@ -95,7 +95,7 @@ def topk_from_logits(logits: torch.Tensor, k: int, chunk: int = 2048) -> tuple[t
 # --------------------------------------------------------------------------------------
 
 def build_tree_ref(logp: torch.Tensor, token_ids: torch.Tensor, budget: int) -> Tree:
-    """Plain-Python heap reference of the best-first builder (DESIGN §5).
+    """Plain-Python heap reference of the best-first builder (docs/DESIGN.md §5).
 
     logp `[B, L, K]` top-K log-probs sorted descending along K, token_ids `[B, L, K]`.
     A candidate is a tuple of ranks (one per depth) scored by the float32 sum of its
@@ -362,7 +362,7 @@ def _accept_kernel(
 
 def greedy_accept(parent: torch.Tensor, token: torch.Tensor, target_argmax: torch.Tensor,
                   max_depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy tree acceptance (DESIGN §5), batched over streams, no host sync.
+    """Greedy tree acceptance (docs/DESIGN.md §5), batched over streams, no host sync.
 
     parent `[B, N]`, token `[B, N]` (the tree's), target_argmax `[B, N]` (the target's
     argmax token after each node). From the root, follow the child whose token equals the

@@ -31,6 +31,10 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
+def _pdl(x: torch.Tensor, pdl_mode: int | None) -> int:
+    return pdl.on(x) if pdl_mode is None else pdl.on(x, pdl_mode)
+
+
 # ---- RMSNorm (+ residual add) ----------------------------------------------------------
 
 @triton.jit
@@ -61,8 +65,9 @@ def rms_norm_ref(x, w, eps, residual=None):
     return y if residual is None else (y, h)
 
 
-def rms_norm(x, w, eps, residual=None):
-    """Triton RMSNorm over the last dim of x `[..., D]` (rows may be strided views)."""
+def rms_norm(x, w, eps, residual=None, pdl_mode=None):
+    """Triton RMSNorm over the last dim of x `[..., D]` (rows may be strided views).
+    pdl_mode (here and in the other launchers): the `kernels.pdl` mode (None: its default)."""
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
@@ -77,7 +82,7 @@ def rms_norm(x, w, eps, residual=None):
     block = _pow2(d)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, w, y, h, x2.stride(0), r2.stride(0), y.stride(0), h.stride(0),
                                      d, eps, HAS_RES=has_res, BLOCK=block,
-                                     num_warps=8 if block >= 4096 else 4, **pdl.args(pdl.on(x2)))
+                                     num_warps=8 if block >= 4096 else 4, **pdl.args(_pdl(x2, pdl_mode)))
     y = y.view(x.shape)
     return (y, h.view(x.shape)) if has_res else y
 
@@ -150,7 +155,7 @@ def mla_a_post_ref(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps):
     return q
 
 
-def mla_a_post(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps):
+def mla_a_post(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps, pdl_mode=None):
     """Triton version of `mla_a_post_ref` (one program per new token)."""
     b, t, width = qkv.shape
     lat, r = ckv.shape[-1], kpe.shape[-1]
@@ -164,7 +169,7 @@ def mla_a_post(qkv, q_w, kv_w, cos, sin, ckv, kpe, prefix_len, eps):
                                  ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1),
                                  t, q_dim, lat, r, eps,
                                  BLOCK_Q=_pow2(q_dim), BLOCK_L=_pow2(lat), BLOCK_H=_pow2(r // 2),
-                                 num_warps=8 if q_dim >= 1024 else 4, **pdl.args(pdl.on(qkv2)))
+                                 num_warps=8 if q_dim >= 1024 else 4, **pdl.args(_pdl(qkv2, pdl_mode)))
     return q.view(b, t, q_dim)
 
 
@@ -293,11 +298,11 @@ def route_ref(logits, bias, top_k, scaling):
     return ids.to(torch.int32), w / w.sum(-1, keepdim=True) * scaling
 
 
-def route(logits, bias, top_k, scaling):
+def route(logits, bias, top_k, scaling, pdl_mode=None):
     n, e = logits.shape
     lg = logits.contiguous()
     ids = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)
     w = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
     _route_kernel[(n,)](lg, bias, ids, w, lg.stride(0), e, float(scaling),
-                        K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), num_warps=1, **pdl.args(pdl.on(lg)))
+                        K=top_k, BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k), num_warps=1, **pdl.args(_pdl(lg, pdl_mode)))
     return ids, w

@@ -16,12 +16,12 @@ import functools
 import torch
 
 from ddbench.kernels.cuda import Kernel
-from ddbench.kernels.moe_triton import sm_count
+from ddbench.kernels.device import sm_count
 
 SHARED_BUDGET = 110 * 1024   # bytes a program: two programs (two kernels) fit on an H200 SM (228 KB)
 MAX_STAGES = 8
-PROGRAMS_PER_SM = 1          # grid = at most this many programs an SM (read at each call, as SHARED_BUDGET)
-WARPS = 8                    # warps a program (read at each call)
+PROGRAMS_PER_SM = 1          # grid = at most this many programs an SM
+WARPS = 8                    # warps a program
 DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -326,7 +326,8 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
                   block_m: int | None = None, block_n: int | None = None, num_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   waves: float | None = None, min_chunk: int | None = None, use_pdl: bool | None = None,
-                  merge_tile: tuple[int, int, int] | None = None, out_proj: torch.Tensor | None = None) -> torch.Tensor:
+                  merge_tile: tuple[int, int, int] | None = None, out_proj: torch.Tensor | None = None,
+                  pdl_mode: int | None = None, max_chunks: int | None = None) -> torch.Tensor:
     """Triton MLA attention with `mla_attention_ref`'s signature and semantics.
 
     q_lat `[B, T, H, L]`, q_rope `[B, T, H, R]`, ckv `[B, S, L]`, kpe `[B, S, R]`, prefix_len
@@ -344,8 +345,9 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     that they fill at most those items; streams of different lengths get different numbers of chunks,
     surplus items exit at once, and a second kernel merges each stream's chunks
     (`merge_tile` = (latent columns, chunks per load, warps) of its programs). Both launch
-    with programmatic dependent launch where `kernels.pdl.on` (`use_pdl` overrides).
-    `num_splits` = n sets P = n x B instead (n = 1: one program per stream, no merge).
+    with programmatic dependent launch in `kernels.pdl` mode `pdl_mode` where the GPU has it
+    (None: its default; `use_pdl` True / False: mode 2 / off).
+    `max_chunks` overrides `MAX_CHUNKS` (0: no cap). `num_splits` = n sets P = n x B instead (n = 1: one program per stream, no merge).
     L and R must be powers of two (512 and 64 on K2.6). The keyword knobs override the
     heuristics (tuned on the H200: `docs/notes/tree.md`).
     out_proj: each head's value projection `[H, Dv, L]` (unit last stride) -> the output
@@ -355,6 +357,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
     """
     b, t, h, dl = q_lat.shape
     dr = kpe.shape[-1]
+    max_chunks = MAX_CHUNKS if max_chunks is None else max_chunks
     for x in (q_lat, q_rope, ckv, kpe):
         if x.stride(-1) != 1:
             raise ValueError("mla_attention needs the last dim of q and the cache contiguous")
@@ -394,7 +397,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         m_part = torch.empty(n_prog, rows, dtype=torch.float32, device=dev)
         l_part = torch.empty(n_prog, rows, dtype=torch.float32, device=dev)
     prec = "ieee" if q_lat.dtype == torch.float32 else "tf32"
-    on = pdl.on(q_lat) if use_pdl is None else 2 * bool(use_pdl)
+    on = (pdl.on(q_lat) if pdl_mode is None else pdl.on(q_lat, pdl_mode)) if use_pdl is None else 2 * bool(use_pdl)
     plen = prefix_len if prefix_len.device == dev else prefix_len.to(dev)
     bb = triton.next_power_of_2(b)
     _mla_split_kernel[(n_mb, n_prog)](
@@ -405,7 +408,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         o_part, m_part, l_part,
         out, out.stride(0), out.stride(1), out.stride(2),
         b, t, h, rows, n_work, scale * LOG2E,
-        DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
+        DL=dl, DR=dr, BB=bb, MIN_CHUNK=min_chunk, MAX_CHUNKS=max_chunks, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
         PREC=prec, num_warps=num_warps, num_stages=num_stages, **pdl.args(on))
     if not direct and out_proj is not None and small and FUSE_PROJ:
         dv = out_proj.shape[1]
@@ -418,7 +421,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         _mla_combine_proj_kernel[(rows, dv // bv, b)](
             o_part, m_part, l_part, plen, out_proj, out_proj.stride(0), out_proj.stride(1),
             o, o.stride(0), o.stride(1), o.stride(2), b, t, h, rows, n_work,
-            DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS, BLOCK_V=bv,
+            DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk, MAX_CHUNKS=max_chunks, BLOCK_V=bv,
             BLOCK_S=_chunks_per_load(dl), num_warps=4, **pdl.args(on))
         return o
     if not direct:
@@ -429,6 +432,6 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, 
         bd, bs, merge_warps = merge_tile or (bd, bs, 2 if small else 4)
         _mla_combine_kernel[(triton.cdiv(rows, bm), dl // bd, b)](
             o_part, m_part, l_part, plen, out, out.stride(0), out.stride(1), out.stride(2),
-            b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk, MAX_CHUNKS=MAX_CHUNKS,
+            b, t, h, rows, n_work, DL=dl, BB=bb, BLOCK_N=block_n, MIN_CHUNK=min_chunk, MAX_CHUNKS=max_chunks,
             BLOCK_M=bm, BLOCK_D=bd, BLOCK_S=bs, num_warps=merge_warps, **pdl.args(on))
     return out if out_proj is None else project(out, out_proj)

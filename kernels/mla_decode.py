@@ -10,21 +10,19 @@ partials through distributed shared memory (Hopper) instead of global memory and
 Takes K2.6's head dims (latent 512, rope 64, no-rope query 128, value 128), bf16, one
 token a stream, at most `MAX_STREAMS` streams, and caches of at most `MAX_POSITIONS` positions (its capacity: the
 launch's shared memory is sized from it); `fits` says whether a call qualifies, and the
-model falls back to the three launches otherwise. `ENABLED` (environment
-`DDBENCH_MLA_DECODE=0` turns it off) is read at each call.
+model falls back to the three launches otherwise. Whether the model uses it at all, and up
+to how many streams, is the kernel choice's `attn` (`kernels.select`).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from ddbench.kernels import pdl
 from ddbench.kernels.mla_attn import mla_attention_ref
 
-ENABLED = os.environ.get("DDBENCH_MLA_DECODE", "1") != "0"
-# streams a call may have (read at each call): at one stream the c=1 step was 356 us faster
+# streams a call may have under the kernel choice attn=auto: at one stream the c=1 step was 356 us faster
 # than with the three launches, at ten 809 us slower (H200, docs/notes/decode.md, session 14)
 MAX_STREAMS = 1
 CLUSTER, THREADS = 8, 256                       # as kernels/mla_decode.cu
@@ -35,11 +33,11 @@ LOG2E = 1.4426950408889634
 
 
 def fits(q: torch.Tensor, wkv_b: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
-         prefix_len: torch.Tensor, visible: torch.Tensor) -> bool:
-    """Whether `mla_decode` takes these arguments: ENABLED, a Hopper GPU, bf16, one token a
-    stream and at most MAX_STREAMS streams, K2.6's head dims, a cache of S <= MAX_POSITIONS
-    positions, int32 prefix_len."""
-    return (ENABLED and q.is_cuda and q.dim() == 4 and q.shape[0] <= MAX_STREAMS and q.shape[1] == 1
+         prefix_len: torch.Tensor, visible: torch.Tensor, max_streams: int | None = None) -> bool:
+    """Whether `mla_decode` takes these arguments: a Hopper GPU, bf16, one token a stream
+    and at most `max_streams` streams (None: any number), K2.6's head dims, a cache of
+    S <= MAX_POSITIONS positions, int32 prefix_len."""
+    return (q.is_cuda and q.dim() == 4 and (max_streams is None or q.shape[0] <= max_streams) and q.shape[1] == 1
             and q.shape[3] == DN + DR
             and q.dtype == wkv_b.dtype == ckv.dtype == kpe.dtype == torch.bfloat16
             and ckv.shape[-1] == L and kpe.shape[-1] == DR and prefix_len.dtype == torch.int32

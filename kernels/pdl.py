@@ -17,19 +17,18 @@ whatever overlaps:
 Modes (`mode`): 0 off, 1 wait only (the next kernel launches when this one's programs end),
 2 wait then trigger (the next kernel's programs may become resident while this one runs).
 An L2 prefetch of each GEMM's weights before the wait was measured slower (docs/notes/decode.md).
-`ENABLED` (environment `DDBENCH_PDL=0` turns it off) and `TRIGGER` are read at each launch.
+Which mode runs is part of the kernel choice (`kernels.select`, `pdl=on|wait|off`): the
+engine hands the mode to each launch; a kernel called without one runs mode 2 where PDL exists.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("DDBENCH_PDL", "1") != "0"
-TRIGGER = True    # mode 2 (see above) when enabled, else mode 1
+MODES = {"off": 0, "wait": 1, "on": 2}   # the kernel choice's names of the modes
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,11 +41,11 @@ def hopper(t: torch.Tensor) -> bool:
     return t.is_cuda and _hopper(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def on(t: torch.Tensor) -> int:
-    """The PDL mode of kernels on t's device: 0 unless CUDA, sm_90+ and ENABLED."""
-    if not (ENABLED and hopper(t)):
-        return 0
-    return 2 if TRIGGER else 1
+def on(t: torch.Tensor, mode: int = 2) -> int:
+    """The PDL mode of kernels on t's device asked for `mode`: `mode` on CUDA sm_90+, else 0."""
+    if mode not in (0, 1, 2):
+        raise ValueError(f"PDL mode {mode!r}: 0 (off), 1 (wait) or 2 (wait and trigger)")
+    return mode if mode and hopper(t) else 0
 
 
 def args(mode: int) -> dict:

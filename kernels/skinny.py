@@ -13,15 +13,15 @@ residual, the normed row and its fp16 copy for `moe_gemv`, each a slice of the r
 epilogues: SiLU(gate) * up for [gate | up] weights (`glu`), interleaved rope on each head's
 rope columns (`rope`, MLA's q), and an add of the sum of several rows per output row
 (`add_rows`, the routed experts' k rows of a token added in the shared expert's down GEMM).
-A side job rides along, replacing a launch of its own: the router (`norm_linear(route=)`,
-switch FUSE_ROUTE): the gate GEMM's last program to finish (`kernels.ticket`) reads back
-every logit and computes each row's top-k as `fused_ops.route` (same code,
-`fused_ops.route_row`). The switch (environment DDBENCH_FUSE_ROUTE=0 turns it off) is read
-by the engine at each call.
+A side job rides along, replacing a launch of its own: the router (`norm_linear(route=)`):
+the gate GEMM's last program to finish (`kernels.ticket`) reads back every logit and
+computes each row's top-k as `fused_ops.route` (same code, `fused_ops.route_row`).
+
+Which of these run is the caller's choice, passed to each call (the engine takes it from
+`kernels.select.KernelChoice`): `max_rows` (the most rows `fits` sends here), `cuda_gemv`
+(one bf16 row under PDL runs `kernels.gemv` instead), `pdl_mode` (`kernels.pdl`).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +29,12 @@ import triton
 import triton.language as tl
 
 from ddbench.kernels import gemv, pdl, ticket
+from ddbench.kernels.device import sm_count
 from ddbench.kernels.fused_ops import route_row
-from ddbench.kernels.moe_triton import sm_count
 
-MAX_ROWS = 4
-MAX_N_OVER_K = 1   # `fits`: W with at most this many rows per column (read at each call)
-# launch shape, read at each launch (`tiles`, `skinny_bmm`): programs per SM the column tiles
+MAX_ROWS = 4       # default `max_rows` of `fits` (kernels.select's `skinny`)
+MAX_N_OVER_K = 1   # `fits`: W with at most this many rows per column
+# launch shape (`tiles`, `skinny_bmm`): programs per SM the column tiles
 # aim for, values of a [BM, BN, BK] product, warps, pipeline stages. Chosen in the c=1 decode
 # step on the H200 (experiments/scripts/decode_variants.py TRIALS, experiments/results/decode_trials_*):
 # 4096 values 93 us faster than 8192 (2048: +1.3 ms); 1 or 4 programs/SM, 3 or 6 stages, 8 warps slower
@@ -42,16 +42,7 @@ PROGRAMS_PER_SM = 2
 TILE_VALUES = 4096
 NUM_WARPS = 4
 NUM_STAGES = 4
-FUSE_ROUTE = os.environ.get("DDBENCH_FUSE_ROUTE", "1") != "0"     # router top-k in the gate GEMM
-PRELOAD = True     # each program loads its first weight tile before the PDL wait (read at each launch)
-# one bf16 row under PDL: the calls named here run kernels.gemv (CUDA; weights loaded before
-# the PDL wait): "linear" (`linear` without add: wo, the dense w2), "head" (the same for the
-# lm_head), "add" and "rope" (`skinny_linear` with that epilogue: the shared expert's w2, wq_b),
-# "norm" (`norm_linear` without GLU, extra outputs or route: wqkv_a). Read at each call;
-# environment DDBENCH_CUDA_GEMV=rope,add,... ("none": no call). In the c=1 decode step on the
-# H200 "rope" took 57-63 us off in four runs; each of the others was slower or even
-# (docs/BENCHMARKS.md, decode sessions 11-12).
-CUDA_GEMV = frozenset(u for u in os.environ.get("DDBENCH_CUDA_GEMV", "rope").split(",") if u and u != "none")
+PRELOAD = True     # each program loads its first weight tile before the PDL wait
 
 
 @triton.jit
@@ -217,32 +208,39 @@ def tiles(m: int, n: int, k: int, n_sms: int = 132, glu: bool = False) -> tuple[
     return bm, bn, bk
 
 
-def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+def fits(x: torch.Tensor, w: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether `linear(x, w)` takes the Triton path: where it beat cuBLAS on the H200
-    (scripts/gpu/skinny_bench.py, docs/BENCHMARKS.md), i.e. CUDA, 1..MAX_ROWS rows (MAX_ROWS = 0
-    turns it off), N <= MAX_N_OVER_K * K (long rows of W; with PDL the N > K ones were also
+    (experiments/README.md, skinny_bench), i.e. CUDA, 1..max_rows rows (max_rows = 0 turns it off),
+    N <= MAX_N_OVER_K * K (long rows of W; with PDL the N > K ones were also
     slower in the decode step: docs/notes/decode.md), bf16/fp16. The engine fuses its norms and epilogues into
     a GEMM only where this holds for that GEMM (or, for the shared expert's down GEMM, where
     it held for the router)."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    return (x.is_cuda and 0 < rows <= MAX_ROWS and w.shape[0] <= MAX_N_OVER_K * w.shape[1]
+    return (x.is_cuda and 0 < rows <= max_rows and w.shape[0] <= MAX_N_OVER_K * w.shape[1]
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype)
 
 
-def _on_gemv(kind: str, x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a call of `kind` (CUDA_GEMV's names) on x, w runs kernels.gemv."""
-    return kind in CUDA_GEMV and pdl.on(x) and gemv.fits(x, w)
+def _on_gemv(cuda_gemv: bool, x: torch.Tensor, w: torch.Tensor, pdl_mode: int | None) -> bool:
+    """Whether a call asking for kernels.gemv runs it: one bf16 row on a GPU with PDL on."""
+    return cuda_gemv and _pdl(x, pdl_mode) > 0 and gemv.fits(x, w)
+
+
+def _pdl(x: torch.Tensor, pdl_mode: int | None) -> int:
+    """The PDL mode of a launch on x asked for `pdl_mode` (None: `kernels.pdl`'s default)."""
+    return pdl.on(x) if pdl_mode is None else pdl.on(x, pdl_mode)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
-           reuse_add: bool = False, gemv_kind: str = "linear") -> torch.Tensor:
+           reuse_add: bool = False, *, max_rows: int = MAX_ROWS, cuda_gemv: bool = False,
+           pdl_mode: int | None = None) -> torch.Tensor:
     """x `[.., K]` @ w `[N, K]`^T (+ add `[.., N]`) -> `[.., N]` in x's dtype: the Triton
-    kernel where `fits`, cuBLAS else. reuse_add: a contiguous `add` may be overwritten with
-    the result (cuBLAS then accumulates into it in place instead of first copying it). With
-    gemv_kind in CUDA_GEMV one bf16 row under PDL goes to kernels.gemv (weights loaded before the wait)."""
-    if add is None and _on_gemv(gemv_kind, x, w):
+    kernel where `fits(x, w, max_rows)`, cuBLAS else. reuse_add: a contiguous `add` may be
+    overwritten with the result (cuBLAS then accumulates into it in place instead of first
+    copying it). cuda_gemv: one bf16 row under PDL goes to kernels.gemv (weights loaded
+    before the wait). pdl_mode: `kernels.pdl` mode of the launches (None: its default)."""
+    if add is None and _on_gemv(cuda_gemv, x, w, pdl_mode):
         return gemv.gemv(w, x.contiguous(), pdl=True).view(*x.shape[:-1], w.shape[0])
-    if not fits(x, w):
+    if not fits(x, w, max_rows):
         if add is None:
             return F.linear(x, w)
         x2 = x.reshape(-1, x.shape[-1])
@@ -250,48 +248,50 @@ def linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
             add.view(-1, add.shape[-1]).addmm_(x2, w.t())
             return add
         return torch.addmm(add.reshape(-1, add.shape[-1]), x2, w.t()).view(add.shape)
-    return skinny_linear(x, w, add)
+    return skinny_linear(x, w, add, cuda_gemv=cuda_gemv, pdl_mode=pdl_mode)
 
 
-def heads_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def heads_linear(x: torch.Tensor, w: torch.Tensor, *, max_rows: int = MAX_ROWS,
+                 pdl_mode: int | None = None) -> torch.Tensor:
     """Per-head products: x `[B, T, H, K]`, w `[H, N, K]` (any strides) -> `[B, T, H, N]`
     (einsum 'bthk,hnk->bthn'); the Triton path for few rows of B*T, as in `linear`."""
     b, t, h, k = x.shape
     n = w.shape[1]
-    if not (x.is_cuda and b * t <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype):
+    if not (x.is_cuda and b * t <= max_rows and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype):
         return torch.einsum("bthk,hnk->bthn", x, w)
     out = torch.empty(b * t, h, n, dtype=x.dtype, device=x.device)
-    skinny_bmm(x.flatten(0, 1).transpose(0, 1), w, out.transpose(0, 1))
+    skinny_bmm(x.flatten(0, 1).transpose(0, 1), w, out.transpose(0, 1), pdl_mode=pdl_mode)
     return out.view(b, t, h, n)
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None,
                   tile: tuple[int, int, int] | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, glu: bool = False, rope: tuple | None = None,
-                  add_rows: int = 1) -> torch.Tensor:
+                  add_rows: int = 1, *, cuda_gemv: bool = False, pdl_mode: int | None = None) -> torch.Tensor:
     """The Triton path of `linear`, any device Triton runs on (tests use the interpreter).
     glu: w `[2I, K]` holds gate rows then up rows; returns SiLU(x gate^T) * (x up^T) `[.., I]`.
     rope: (cos, sin, head, offset): the output is heads of `head` columns and columns
     offset.. of each get interleaved rope (`fused_ops.rope_ref_`); cos/sin `[.., R/2]` per row.
     add_rows: add has that many rows per row of x (any dtype), their sum is added (e.g. the
-    k weighted expert rows of a token, fp32, summed into the shared expert's down GEMM)."""
+    k weighted expert rows of a token, fp32, summed into the shared expert's down GEMM).
+    cuda_gemv, pdl_mode: as `linear` (kernels.gemv takes no GLU)."""
     k, n = x.shape[-1], w.shape[0] // (2 if glu else 1)
-    kind = "add" if add is not None else "rope" if rope is not None else "linear"
-    if (not glu and _on_gemv(kind, x, w) and (add is None or add.dtype == torch.float32)
+    if (not glu and _on_gemv(cuda_gemv, x, w, pdl_mode) and (add is None or add.dtype == torch.float32)
             and (rope is None or rope[0].dtype == torch.float32)):
         rope = rope and (rope[0].reshape(-1), rope[1].reshape(-1), *rope[2:])
         return gemv.gemv(w, x.contiguous(), pdl=True, add=add, rope=rope).view(*x.shape[:-1], n)
     x2 = x.reshape(-1, k)
     y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     skinny_bmm(x2[None], w[None], y[None], None if add is None else add.reshape(1, -1, n), tile, num_warps,
-               num_stages, glu=glu, rope=rope, add_rows=add_rows)
+               num_stages, glu=glu, rope=rope, add_rows=add_rows, pdl_mode=pdl_mode)
     return y.view(*x.shape[:-1], n)
 
 
 def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
                 residual: torch.Tensor | None = None, glu: bool = False, out_xn: bool = False,
                 out_xh: bool = False, route: tuple | None = None, tile: tuple[int, int, int] | None = None,
-                num_warps: int | None = None, num_stages: int | None = None):
+                num_warps: int | None = None, num_stages: int | None = None, *, cuda_gemv: bool = False,
+                pdl_mode: int | None = None):
     """RMSNorm (+ residual add) as the prologue of the skinny GEMM, one launch, Triton path.
 
     h = residual + x (in x's dtype; h = x without residual), xn = h / rms(h) * norm_w (fp32
@@ -310,7 +310,7 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tens
         raise ValueError(f"norm_linear: the MoE GEMV's fp16 copy needs K % 32 == 0, got K = {k}")
     x2, r2 = (None if t is None else _unit_last(t.reshape(-1, k)) for t in (x, residual))   # [rows, K]
     lead = x.shape[:-1]
-    if not (glu or out_xn or out_xh or route) and _on_gemv("norm", x2, w):
+    if not (glu or out_xn or out_xh or route) and _on_gemv(cuda_gemv, x2, w, pdl_mode):
         h = None if r2 is None else torch.empty_like(x2)
         y = gemv.gemv(w, x2, pdl=True, norm=(norm_w, eps, r2, h))
         return y.view(*lead, n), None if h is None else h.view(*lead, k), None, None
@@ -326,7 +326,7 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tens
                 torch.empty(rows, top_k, dtype=torch.float32, device=x.device))
         route = (bias, *topk, scaling)
     skinny_bmm(x2[None], w[None], y[None], tile=tile, num_warps=num_warps, num_stages=num_stages, glu=glu,
-               norm=(norm_w, eps, r2, h, xn, xh), route=route)
+               norm=(norm_w, eps, r2, h, xn, xh), route=route, pdl_mode=pdl_mode)
     out = (y.view(*lead, n), None if h is None else h.view(*lead, k), None if xn is None else xn.view(*lead, k), xh)
     return out if topk is None else out + topk
 
@@ -347,7 +347,7 @@ def norm_linear_ref(x, norm_w, eps, w, residual=None, glu=False):
 def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.Tensor | None = None,
                tile: tuple[int, int, int] | None = None, num_warps: int | None = None,
                num_stages: int | None = None, glu: bool = False, norm: tuple | None = None, rope: tuple | None = None,
-               add_rows: int = 1, route: tuple | None = None) -> torch.Tensor:
+               add_rows: int = 1, route: tuple | None = None, pdl_mode: int | None = None) -> torch.Tensor:
     """out[b] = x[b] @ w[b]^T (+ add[b]): x `[B, M, K]`, w `[B, N, K]`, out `[B, M, N]`, any
     strides except unit strides on the last dims of x, out and add (w may be a transposed view).
     glu: w `[B, 2N, K]`, out = SiLU(x gate^T) * x up^T. norm (B = 1): the prologue's
@@ -355,7 +355,8 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
     rope (B = 1): (cos, sin, head, offset) as `skinny_linear`. add_rows: add `[B, M*add_rows, N]`,
     out[b, i] gets the sum of add rows i*add_rows ..< (i+1)*add_rows.
     route (B = 1): (bias, ids, weights, scaling): out are gate logits, ids/weights `[M, k]`
-    get their routing (`fused_ops.route`), computed by the grid's last program."""
+    get their routing (`fused_ops.route`), computed by the grid's last program.
+    pdl_mode: the `kernels.pdl` mode of the launch (None: its default)."""
     bsz, m, k = x.shape
     n = out.shape[2]
     if w.shape[1] != (2 * n if glu else n):
@@ -404,5 +405,5 @@ def skinny_bmm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, add: torch.T
         ROPE=rope is not None, HEAD=rope[2] if rope else 1, ROPE_OFF=rope[3] if rope else 0,
         ROUTE=route is not None, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(n) if route else 1,
         BLOCK_TK=triton.next_power_of_2(top_k),
-        PRELOAD=PRELOAD, num_warps=num_warps, **pdl.args(pdl.on(x)))
+        PRELOAD=PRELOAD, num_warps=num_warps, **pdl.args(_pdl(x, pdl_mode)))
     return out

@@ -328,9 +328,10 @@ def test_decode_cli_bad_input(tmp_path):
 
 # ---- GPU ---------------------------------------------------------------------------------
 
-def gpu_model(batch_dtype=torch.bfloat16, **over):
+def gpu_model(batch_dtype=torch.bfloat16, kernels=None, **over):
     cfg = preset("tiny", **over)
-    m = Transformer(cfg, moe_backend="triton", attn_backend="triton", device="cuda", dtype=batch_dtype)
+    m = Transformer(cfg, moe_backend="triton", attn_backend="triton", device="cuda", dtype=batch_dtype,
+                    kernels=kernels)
     init_random(m, 0)
     return m
 
@@ -355,11 +356,11 @@ def test_gpu_graph_decode_equals_eager_and_times_phases():
 
 @pytest.mark.gpu
 def test_gpu_side_stream_gives_the_same_logits(monkeypatch):
-    """The shared expert's gate/up GEMM on a side stream (engine.model.SIDE_STREAM, skinny
+    """The shared expert's gate/up GEMM on a side stream (the kernel choice's stream=on, skinny
     path: bf16, few rows) changes the schedule, not the maths: the same logits bit for bit
-    as on one stream, and the same graph-decoded tokens."""
-    import ddbench.engine.model as em
+    as on one stream (stream=off, same weights), and the same graph-decoded tokens."""
     from ddbench.engine.decode import Decoder
+    from ddbench.kernels.select import KernelChoice
 
     m = gpu_model()
     asked = []
@@ -371,9 +372,10 @@ def test_gpu_side_stream_gives_the_same_logits(monkeypatch):
     on = run(m, tokens)
     assert asked, "the MoE never asked for the side stream"
     on_tokens = Decoder(m, 1, 32, use_graph=True).generate(prompts, 6)
-    monkeypatch.setattr(em, "SIDE_STREAM", False)
-    assert torch.equal(run(m, tokens), on)
-    assert torch.equal(Decoder(m, 1, 32, use_graph=True).generate(prompts, 6), on_tokens)
+    one = gpu_model(kernels=KernelChoice(stream="off"))
+    assert one.ops.side_stream(tokens.float()) is None
+    assert torch.equal(run(one, tokens), on)
+    assert torch.equal(Decoder(one, 1, 32, use_graph=True).generate(prompts, 6), on_tokens)
 
 
 @pytest.mark.gpu

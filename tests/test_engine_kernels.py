@@ -100,17 +100,20 @@ def _decode_step(model, seed=3, plen=5):
         return model(tok, pl.long().view(1, 1), cache, pl, torch.ones(1, 1, 1, dtype=torch.bool, device=model.device))[0], cache
 
 
-def _small_inter_models(dtype, device, ref_fused="torch", attn="torch"):
+def _small_inter_models(dtype, device, ref_fused="torch", attn="torch", ref_kernels=None, kernels=None):
     """tiny with w13 [256, 256] and wq_b [128, 128] (N <= K, as in K2.6, so the skinny path
-    takes them): a reference and a fused-ops model with the same weights."""
+    takes them): a reference and a fused-ops model with the same weights, each under its
+    kernel choice (None: the defaults)."""
     from ddbench.engine.config import preset
     from ddbench.engine.model import Transformer
     from ddbench.engine.weights import init_random
 
     cfg = preset("tiny", dense_inter=128, moe_inter=128, n_heads=4, q_lora_rank=128)
-    ref = Transformer(cfg, moe_backend="triton", attn_backend=attn, device=device, dtype=dtype, fused=ref_fused)
+    ref = Transformer(cfg, moe_backend="triton", attn_backend=attn, device=device, dtype=dtype, fused=ref_fused,
+                      kernels=ref_kernels)
     init_random(ref, 0, mode="exact")
-    tri = Transformer(cfg, moe_backend="triton", attn_backend=attn, device=device, dtype=dtype, fused="triton")
+    tri = Transformer(cfg, moe_backend="triton", attn_backend=attn, device=device, dtype=dtype, fused="triton",
+                      kernels=kernels)
     tri.load_state_dict(ref.state_dict())
     return ref, tri
 
@@ -119,20 +122,20 @@ def _small_inter_models(dtype, device, ref_fused="torch", attn="torch"):
 def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     """Ops 'triton' with `skinny.fits` opened to any device and fp32 (the interpreter on
     CPU): attn_norm in wqkv_a, ffn_norm in the router gate (which also writes the MoE's
-    fp16 x and, with FUSE_ROUTE, routes) and in the dense w13, SiLU(gate) * up in the w13
+    fp16 x and, with the choice's route=fused, routes) and in the dense w13, SiLU(gate) * up in the w13
     GEMMs, q's rope in wq_b, the sum over the k expert rows in the shared down GEMM give the
-    logits and cache of the torch ops (mla_a_post stays one launch per layer). With
-    skinny.MAX_ROWS = 0 nothing is fused: every norm is an rms_norm launch again.
+    logits and cache of the torch ops (mla_a_post stays one launch per layer). With the
+    choice's skinny=0 nothing is fused: every norm is an rms_norm launch again.
     `tiles` is sized for 8 SMs here, not 132: 8-16 columns a program instead of 1 (the
     interpreter runs programs one by one: 65 s -> about 10 s on 2 CPU cores; the router's gate
     GEMM keeps 1 column a program, 16 programs for its ticket); narrow tiles, incl. 1 and
     2 columns, are covered by test_skinny."""
     from ddbench.kernels import fused_ops, moe_gemv, skinny
+    from ddbench.kernels.select import KernelChoice
 
     monkeypatch.setattr(skinny, "sm_count", lambda device: 8)
-    monkeypatch.setattr(skinny, "MAX_ROWS", max_rows)
-    monkeypatch.setattr(skinny, "FUSE_ROUTE", fuse)
-    monkeypatch.setattr(skinny, "fits", lambda x, w: 0 < x.numel() // x.shape[-1] <= skinny.MAX_ROWS
+    # the skinny path on any device (the interpreter on CPU) and fp32, within the choice's rows
+    monkeypatch.setattr(skinny, "fits", lambda x, w, max_rows=skinny.MAX_ROWS: 0 < x.numel() // x.shape[-1] <= max_rows
                         and w.shape[0] <= w.shape[1])
     calls = {"norm_linear": 0, "half_rows": 0, "rms_norm": 0, "silu_mul": 0, "rope_": 0, "sum_k": 0,
              "route": 0, "mla_a_post": 0}
@@ -143,7 +146,8 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     w2 = moe_gemv.gemv_w2   # counts the MoE's own sums over k (the _sum_k launch)
     monkeypatch.setattr(moe_gemv, "gemv_w2", lambda *a, sum_k=True: calls.__setitem__("sum_k", calls["sum_k"] + sum_k)
                         or w2(*a, sum_k=sum_k))
-    ref, tri = _small_inter_models(torch.float32, DEV)
+    choice = KernelChoice(skinny=max_rows, route="fused" if fuse else "separate")
+    ref, tri = _small_inter_models(torch.float32, DEV, ref_kernels=choice, kernels=choice)
     (want, c0), (got, c1) = _decode_step(ref), _decode_step(tri)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(c1.ckv, c0.ckv)
@@ -156,7 +160,7 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     if max_rows:  # 2 norms per block fused (the final norm stays); the MoE converts only its w2 input
         want = {"norm_linear": 2 * cfg.n_layers, "half_rows": n_moe + 2 * act * n_moe, "rms_norm": 1, "silu_mul": 0,
                 "rope_": 0, "sum_k": n_moe,
-                # FUSE_ROUTE: the gate GEMM's last program routes (no route launch per MoE layer)
+                # route=fused: the gate GEMM's last program routes (no route launch per MoE layer)
                 "route": 0 if fuse else n_moe, "mla_a_post": cfg.n_layers}
     else:
         want = {"norm_linear": 0, "half_rows": 2 * (1 + act) * n_moe, "rms_norm": 2 * cfg.n_layers + 1,
@@ -166,14 +170,14 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_fused_decode_step_close_to_unfused(monkeypatch):
+def test_gpu_bf16_fused_decode_step_close_to_unfused():
     """bf16 on the GPU with the real `skinny.fits`: the fused decode step against the same
-    model with skinny.MAX_ROWS = 0 (the unfused launches) and against the fp32 torch model."""
-    from ddbench.kernels import skinny
+    model under the choice skinny=0 (the unfused launches) and against the fp32 torch model."""
+    from ddbench.kernels.select import KernelChoice
 
-    ref, tri = _small_inter_models(torch.bfloat16, "cuda", ref_fused="triton", attn="triton")
+    ref, tri = _small_inter_models(torch.bfloat16, "cuda", ref_fused="triton", attn="triton",
+                                   ref_kernels=KernelChoice(skinny=0))
     got, _ = _decode_step(tri)
-    monkeypatch.setattr(skinny, "MAX_ROWS", 0)
     want, _ = _decode_step(ref)
     f32, _ = _small_inter_models(torch.float32, "cuda")
     f32.load_state_dict({k: v.to(f32.state_dict()[k].dtype) for k, v in ref.state_dict().items()})

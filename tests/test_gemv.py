@@ -113,8 +113,8 @@ def test_gpu_gemv_chain_with_pdl_equals_plain_launches_and_graph_replays():
 
 
 @pytest.mark.gpu
-def test_gpu_skinny_entry_points_with_cuda_gemv_match_the_triton_path(monkeypatch):
-    """skinny.CUDA_GEMV sends the engine's one-row calls to kernels.gemv: same results."""
+def test_gpu_skinny_entry_points_with_cuda_gemv_match_the_triton_path():
+    """cuda_gemv=True sends the engine's one-row calls to kernels.gemv: same results."""
     from ddbench.kernels import pdl
     if not pdl.on(torch.empty(1, device="cuda")):
         pytest.skip("needs sm_90+")
@@ -126,16 +126,24 @@ def test_gpu_skinny_entry_points_with_cuda_gemv_match_the_triton_path(monkeypatc
     ang = torch.rand(1, 1, 32, generator=g, device="cuda")
     add = _rnd(8, 7168, g=g)
 
-    def calls():
-        qkv, h, _, _ = skinny.norm_linear(x, nw.view(-1), 1e-6, wa, res)
-        q = skinny.skinny_linear(qkv[..., :1536], wq, rope=(ang.cos(), ang.sin(), 192, 128))
-        a = skinny.linear(q[..., :1024], wo)
-        return (qkv, h, q, a, skinny.skinny_linear(a[..., :256], w2, add=add, add_rows=8),
-                skinny.linear(a, wa, gemv_kind="head"))
-    monkeypatch.setattr(skinny, "CUDA_GEMV", frozenset())    # the Triton / cuBLAS path ("rope" is on by default)
-    want = calls()
-    monkeypatch.setattr(skinny, "CUDA_GEMV", frozenset({"linear", "head", "add", "rope", "norm"}))
-    got = calls()
+    def calls(on):
+        qkv, h, _, _ = skinny.norm_linear(x, nw.view(-1), 1e-6, wa, res, cuda_gemv=on)
+        q = skinny.skinny_linear(qkv[..., :1536], wq, rope=(ang.cos(), ang.sin(), 192, 128), cuda_gemv=on)
+        a = skinny.linear(q[..., :1024], wo, cuda_gemv=on)
+        return (qkv, h, q, a, skinny.skinny_linear(a[..., :256], w2, add=add, add_rows=8, cuda_gemv=on),
+                skinny.linear(a, wa, cuda_gemv=on))
+    want = calls(False)                                      # the Triton / cuBLAS path
+    launches = []
+    launch = gemv.gemv
+    with pytest.MonkeyPatch.context() as mp:                 # count kernels.gemv's launches
+        mp.setattr(gemv, "gemv", lambda *a, **k: launches.append(1) or launch(*a, **k))
+        got = calls(True)
+    assert len(launches) == 5                                # norm, rope, wo, w2 + add, head
+    with pytest.MonkeyPatch.context() as mp:                 # PDL off: no kernels.gemv
+        mp.setattr(gemv, "gemv", lambda *a, **k: launches.append(1) or launch(*a, **k))
+        off = skinny.linear(want[3], wa, cuda_gemv=True, pdl_mode=0)
+    assert len(launches) == 5
+    torch.testing.assert_close(off.float(), want[5].float(), rtol=2e-2, atol=2e-2)
     for name, a, b in zip(["qkv", "h", "q", "wo", "w2 + add", "head"], got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)

@@ -107,17 +107,14 @@ def test_work_split_by_live_length(case):
 
 
 @pytest.mark.parametrize("cap", [0, 2])
-def test_chunk_cap_per_stream(monkeypatch, cap):
-    """MAX_CHUNKS caps the chunks of the longest stream (2: chunks grow to half of it), or
+def test_chunk_cap_per_stream(cap):
+    """max_chunks caps the chunks of the longest stream (2: chunks grow to half of it), or
     not at all (0); a short stream beside it still attends to its own KV only."""
-    import ddbench.kernels.mla_attn as ma
-
-    monkeypatch.setattr(ma, "MAX_CHUNKS", cap)
     gen = torch.Generator().manual_seed(17 + cap)
     q_lat, q_rope, ckv, kpe, plen = make(2, 1, 2, 400, [300, 20], 32, 8, torch.float32, gen)
     vis = tree_visible(2, 1, gen)
     ref = mla_attention_ref(q_lat, q_rope, ckv, kpe, plen, vis, 0.15)
-    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.15, block_n=16, min_chunk=16)
+    out = mla_attention(q_lat, q_rope, ckv, kpe, plen, vis, 0.15, block_n=16, min_chunk=16, max_chunks=cap)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 

@@ -51,10 +51,11 @@ def _check(got, p):
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,nh,s,plens", [(1, 8, 192, [128]), (1, 8, 256, [255]), (3, 8, 256, [0, 1, 100]),
                                           (2, 16, 512, [7, 511]), (4, 2, 64, [9, 31, 32, 63])])
-def test_gpu_matches_reference(b, nh, s, plens, monkeypatch):
-    monkeypatch.setattr(mla_decode, "MAX_STREAMS", 4)
+def test_gpu_matches_reference(b, nh, s, plens):
     p = _inputs(b, nh, s, plens, "cuda", seed=s + b)
-    assert mla_decode.fits(*[p[k] for k in ("q", "wkv_b", "ckv", "kpe", "prefix_len", "visible")])
+    args = [p[k] for k in ("q", "wkv_b", "ckv", "kpe", "prefix_len", "visible")]
+    assert mla_decode.fits(*args, max_streams=None) and mla_decode.fits(*args, max_streams=b)
+    assert not mla_decode.fits(*args, max_streams=b - 1)
     _check(mla_decode.mla_decode(**p, pdl=False), p)
     p["visible"][-1] = False                                            # the last stream does not see itself
     _check(mla_decode.mla_decode(**p, pdl=False), p)
@@ -104,12 +105,12 @@ def test_gpu_with_pdl_in_a_replayed_graph():
 @pytest.mark.gpu
 def test_gpu_model_with_the_one_launch_attention_matches_three_launches(monkeypatch):
     from ddbench.engine.decode import Decoder
+    from ddbench.kernels.select import KernelChoice
     from tests.test_engine import gpu_model
 
-    monkeypatch.setattr(mla_decode, "MAX_STREAMS", 2)
-
     # K2.6's head dims; q_lora_rank 256 so that wq_b runs on kernels.gemv at one stream, as in the step
-    m = gpu_model(n_heads=8, q_lora_rank=256, kv_lora_rank=L, qk_nope_dim=DN, qk_rope_dim=DR, v_head_dim=DV)
+    dims = dict(n_heads=8, q_lora_rank=256, kv_lora_rank=L, qk_nope_dim=DN, qk_rope_dim=DR, v_head_dim=DV)
+    m = gpu_model(kernels=KernelChoice(attn="cluster"), **dims)         # the cluster kernel at any stream count
     calls = []
     launch = mla_decode.mla_decode
     monkeypatch.setattr(mla_decode, "mla_decode", lambda *a, **k: calls.append(1) or launch(*a, **k))
@@ -124,6 +125,12 @@ def test_gpu_model_with_the_one_launch_attention_matches_three_launches(monkeypa
     with torch.no_grad():
         args = (tok, dec.prefix_len.long().view(2, 1), dec.cache, dec.prefix_len, dec.visible)
         on = m(*args)[0]
-        monkeypatch.setattr(mla_decode, "ENABLED", False)
-        off = m(*args)[0]
+        calls.clear()
+        off = gpu_model(kernels=KernelChoice(attn="split"), **dims)(*args)[0]   # same weights, three launches
+        assert not calls
     assert (on - off).abs().max() < 0.05 * off.abs().max()
+    auto = gpu_model(**dims)                                            # attn=auto: at one stream only
+    Decoder(auto, 2, 32, use_graph=False).generate(prompts, 3)
+    assert not calls
+    Decoder(auto, 1, 32, use_graph=False).generate(prompts[:1], 3)
+    assert len(calls) == 2 * m.cfg.n_layers

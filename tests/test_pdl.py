@@ -10,24 +10,28 @@ from ddbench.kernels.moe import fused_moe, random_marlin_moe
 
 
 def test_pdl_is_off_for_cpu_tensors():
-    assert pdl.on(torch.randn(1, 64)) == 0
+    x = torch.randn(1, 64)
+    assert pdl.on(x) == 0 and pdl.on(x, 1) == 0 and pdl.on(x, 0) == 0
     assert pdl.args(0) == {"PDL": 0} and pdl.args(2) == {"PDL": 2, "launch_pdl": True}
+    with pytest.raises(ValueError, match="PDL mode"):
+        pdl.on(x, 3)
 
 
-def _chain(x, res, p, cfg):
-    """One MoE layer's few-row chain: norm + wide GEMM, norm + router, route, the CUDA-core
-    MoE (w13, SiLU*up in fp16, w2 with the k rows unsummed), shared expert with the k-sum."""
-    qkv, h, _, _ = skinny.norm_linear(x, p["n1"], 1e-6, p["wa"], res)               # [1, 2112]
-    a = skinny.skinny_linear(qkv[:, :1024], p["wo"])                                 # N > K: [1, H]
-    logits, h, xf, xh = skinny.norm_linear(a, p["n2"], 1e-6, p["gate"], h, out_xn=True, out_xh=True)
-    ids, w = fused_ops.route(logits, p["bias"], cfg.top_k, 2.5)
-    rows = fused_moe(xf, ids, w, p["moe"], "triton", x_half=xh, sum_k=False)        # [k, H] fp32
-    act = skinny.skinny_linear(xf, p["w13"], glu=True)
-    return skinny.skinny_linear(act, p["w2"], add=rows, add_rows=cfg.top_k), h
+def _chain(x, res, p, cfg, mode):
+    """One MoE layer's few-row chain, launched in PDL mode `mode`: norm + wide GEMM, norm +
+    router, route, the CUDA-core MoE (w13, SiLU*up in fp16, w2 with the k rows unsummed;
+    kernels.moe's own launches take the default mode), shared expert with the k-sum."""
+    qkv, h, _, _ = skinny.norm_linear(x, p["n1"], 1e-6, p["wa"], res, pdl_mode=mode)    # [1, 2112]
+    a = skinny.skinny_linear(qkv[:, :1024], p["wo"], pdl_mode=mode)                     # N > K: [1, H]
+    logits, h, xf, xh = skinny.norm_linear(a, p["n2"], 1e-6, p["gate"], h, out_xn=True, out_xh=True, pdl_mode=mode)
+    ids, w = fused_ops.route(logits, p["bias"], cfg.top_k, 2.5, pdl_mode=mode)
+    rows = fused_moe(xf, ids, w, p["moe"], "triton", x_half=xh, sum_k=False, kernel="gemv")  # [k, H] fp32
+    act = skinny.skinny_linear(xf, p["w13"], glu=True, pdl_mode=mode)
+    return skinny.skinny_linear(act, p["w2"], add=rows, add_rows=cfg.top_k, pdl_mode=mode), h
 
 
 @pytest.mark.gpu
-def test_gpu_pdl_chain_equals_plain_launches(monkeypatch):
+def test_gpu_pdl_chain_equals_plain_launches():
     if not pdl.on(torch.empty(1, device="cuda")):
         pytest.skip("needs sm_90+")
     cfg = preset("k2.6", tp=8)
@@ -42,28 +46,22 @@ def test_gpu_pdl_chain_equals_plain_launches(monkeypatch):
              moe=random_marlin_moe(64, hid, cfg.moe_inter_local, cfg.group_size, cfg.top_k, device=dev, seed=4))
     x, res = rnd(1, hid), rnd(1, hid)
 
-    def layers(x, res, n=6):
+    def layers(x, res, mode, n=6):
         for _ in range(n):
-            x, res = _chain(x, res, p, cfg)
+            x, res = _chain(x, res, p, cfg, mode)
         return x, res
 
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    want = layers(x, res)
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    for trigger in (True, False):
-        monkeypatch.setattr(pdl, "TRIGGER", trigger)
-        got = layers(x, res)
+    want = layers(x, res, 0)
+    for mode in (2, 1):
+        got = layers(x, res, mode)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    monkeypatch.setattr(pdl, "TRIGGER", True)
     graph = torch.cuda.CUDAGraph()
     xs, rs = x.clone(), res.clone()
     with torch.cuda.graph(graph):
-        out = layers(xs, rs)
+        out = layers(xs, rs, 2)
     for i in range(5):   # new inputs each replay
         xi, ri = rnd(1, hid), rnd(1, hid)
-        monkeypatch.setattr(pdl, "ENABLED", False)
-        want = layers(xi, ri)
-        monkeypatch.setattr(pdl, "ENABLED", True)
+        want = layers(xi, ri, 0)
         xs.copy_(xi)
         rs.copy_(ri)
         graph.replay()

@@ -163,14 +163,13 @@ def test_glu_tiles_keep_the_product_budget():
 
 
 @pytest.mark.gpu
-def test_max_rows_zero_turns_the_triton_path_off(monkeypatch):
+def test_max_rows_zero_turns_the_triton_path_off():
     import ddbench.kernels.skinny as S
 
     x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
-    assert S.fits(x, w)
-    monkeypatch.setattr(S, "MAX_ROWS", 0)
-    assert not S.fits(x, w)
+    assert S.fits(x, w) and S.fits(x.expand(4, 64), w, max_rows=4)
+    assert not S.fits(x, w, max_rows=0) and not S.fits(x.expand(4, 64), w, max_rows=3)
 
 
 def _rel(a, b):
@@ -238,7 +237,7 @@ def test_add_rows_bf16_k26_shared_w2(m):
     assert _rel(skinny_linear(x, w, add=rows, add_rows=8), want) < 1e-2
 
 
-# ---- side job: the router's top-k (FUSE_ROUTE) -------------------------------------------
+# ---- side job: the router's top-k (route=fused) -------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,e,k,ties", [(1, 40, 6, False), (2, 24, 4, True), (3, 64, 8, False), (4, 33, 5, True)])
