@@ -395,6 +395,9 @@ def decode(
     name: Optional[str] = typer.Option(None, "--name", help="Result file name (default decode_<time>)."),
     seed: int = SEED, out: Path = OUT,
     override: Optional[List[str]] = OVERRIDE,
+    routing: Optional[str] = typer.Option(None, "--routing", help="uniform (draws after the router; default with "
+                                          "random weights) or model (the router's choice; default with "
+                                          "--checkpoint)."),
 ):
     """Greedy autoregressive decoding of the K2.6 engine: tok/s and per-phase step time.
 
@@ -413,7 +416,7 @@ def decode(
         concurrency=levels, prompt_len=prompt_len,
         new_tokens=new_tokens, checkpoint=checkpoint, allreduce_model=allreduce_model,
         moe_backend=moe_backend, attn_backend=attn_backend, graph=graph, init=init, seed=seed, out=out,
-        override=override, name=name, kernels=choice)
+        override=override, name=name, kernels=choice, routing=routing)
 
 
 # --- e2e ---
@@ -421,18 +424,33 @@ def decode(
 @user_errors
 def e2e(
     preset: Optional[str] = ENGINE_PRESET,
-    tp: int = ENGINE_TP,
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel degree (default 1 where the model fits, "
+                                                        "else one rank of TP-8: --tp 8 --simulate-rank 0)."),
     simulate_rank: Optional[int] = SIMULATE_RANK,
     gpus: Optional[int] = GPUS,
-    concurrency: str = CONCURRENCY,
-    budget: str = typer.Option("16,32,64,128,256", "--budget", help="Tree budgets (nodes per stream and step)."),
+    concurrency: Optional[str] = typer.Option(None, "--concurrency", help="Streams decoded together: '1,10' or "
+                                              "'1-4' (default 1,10 on a GPU, 1,2 on a CPU)."),
+    budget: Optional[str] = typer.Option(None, "--budget", help="Tree budgets (nodes per stream and step), with "
+                                         "'auto' (alone or in the list): fit the cost model over the budgets "
+                                         "(default 8,32,128) and measure the best predicted one (default "
+                                         "16,32,64,128,256 on a GPU, 4,16 on a CPU)."),
     acceptance: str = typer.Option("real", "--acceptance",
                                    help="Comma list of: real (true greedy walk, lossless), synthetic:TAU "
                                         "(accepted length drawn with mean TAU, bonus included), "
-                                        "profile:FILE (per-depth acceptance probabilities)."),
+                                        "profile:FILE (per-depth acceptance probabilities), rank:PROFILE "
+                                        "(per-depth drafter-rank probabilities: a shipped name such as "
+                                        "dflash-k25-gsm8k-paper, or a JSON file)."),
+    routing: Optional[str] = typer.Option(None, "--routing", help="uniform (draws after the router; default with "
+                                          "random weights), model (the router's choice; default with "
+                                          "--checkpoint) or overlap:F (a tree node keeps each parent expert "
+                                          "with probability F)."),
+    save_profile: Optional[Path] = typer.Option(None, "--save-profile", help="Write the real runs' drafter "
+                                                "ranks of the target's tokens as a rank profile (JSON) for "
+                                                "--acceptance rank:FILE."),
     prompt_len: str = typer.Option("128", "--prompt-len", help="Random prompt tokens per stream; a list "
                                                                "('100,300') is cycled over the streams."),
-    new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens generated per stream (first one from prefill)."),
+    new_tokens: Optional[int] = typer.Option(None, "--new-tokens", help="Tokens generated per stream (first one "
+                                             "from prefill; default 64 on a GPU, 8 on a CPU)."),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint",
                                               help="Hugging Face K2.6-layout checkpoint directory for the "
                                                    "target (default: random weights; the drafter is random)."),
@@ -465,17 +483,22 @@ def e2e(
     comm, accept, host), with --tp N --simulate-rank R the projected TP-n numbers (measured
     rank compute + modelled communication; --tp N alone runs N real processes, NCCL or
     gloo), the bytes floor, and whether real acceptance reproduced AR's tokens. Tidy CSV
-    (kind 'e2e'); the table puts the SGLang baseline (from --baseline) beside the engine.
+    (kind 'e2e'); on a GPU the table puts the SGLang baseline (from --baseline) beside the
+    engine (a CPU run is a labelled toy, without it). Routing, rank profiles, --budget auto:
+    see ddbench/e2e.py.
     """
     from ddbench.e2e import run
 
     if baseline is not None and not baseline.exists():
         raise UserError(f"--baseline {baseline}: no such file or folder")
-    levels, budgets = parse_int_list(concurrency, "--concurrency"), parse_int_list(budget, "--budget")
+    from ddbench.e2e import parse_budgets
+
+    levels = parse_int_list(concurrency, "--concurrency") if concurrency is not None else None
+    budgets, auto = parse_budgets(budget)
     choice = parse_kernels(kernels)
     check_output(out, name)
     run(preset=preset, tp=tp, simulate_rank=simulate_rank, gpus=gpus,
-        concurrency=levels, budgets=budgets,
+        concurrency=levels, budgets=budgets, budget_auto=auto, routing=routing, save_profile=save_profile,
         acceptance=acceptance.split(","), prompt_len=prompt_len, new_tokens=new_tokens, checkpoint=checkpoint,
         allreduce_model=allreduce_model, moe_backend=moe_backend, attn_backend=attn_backend, graph=graph,
         init=init, topk=topk, seed=seed, out=out, override=override,

@@ -32,16 +32,23 @@ from ddbench.kernels.select import KernelChoice, resolve
 
 
 def measure_rows(model, concurrency: list[int], prompt_len: int, new_tokens: int, seed: int,
-                 graph: bool, copy_bw: float | None, base: dict, on_row) -> None:
-    """Run `measure_decode` at each concurrency and hand a CSV row to `on_row`."""
+                 graph: bool, copy_bw: float | None, base: dict, on_row, routing=None) -> None:
+    """Run `measure_decode` at each concurrency and hand a CSV row to `on_row`. `routing`:
+    the model's `engine.routing.Routing` (its measured distinct experts of the decode
+    steps go into the row and the bytes floor)."""
     from ddbench.engine.decode import measure_decode, step_bytes
 
     for c in concurrency:
+        if routing is not None:
+            routing.reset()
         r = measure_decode(model, c, prompt_len, new_tokens, seed, use_graph=None if graph else False)
+        experts = routing.mean_touched(1) if routing is not None else None
         ph = r["phases_us"]
         comm_us = r["comm_modelled_us"] if model.comm.simulated else ph["comm"]
         total = r["step_us"] + (r["comm_modelled_us"] if model.comm.simulated else 0.0)
         b = step_bytes(model, c, r["mean_context"])
+        if experts is not None and b["experts_touched"]:      # the floor reads the experts that ran
+            b["weight_bytes"] = b["dense_bytes"] + b["routed_bytes"] * experts / b["experts_touched"]
         floor = (b["weight_bytes"] + b["kv_bytes"]) / (copy_bw * 1e3) if copy_bw else None
         row = {**base, "concurrency": c, "prompt_len": prompt_len, "new_tokens": new_tokens,
                "cuda_graph": r["cuda_graph"], "phase_method": r["phase_method"],
@@ -53,7 +60,9 @@ def measure_rows(model, concurrency: list[int], prompt_len: int, new_tokens: int
                "phases_sum_us": round(sum(ph.values()), 2),
                "prefill_s": round(r["prefill_s"], 4),
                "weight_bytes": int(b["weight_bytes"]), "kv_bytes": int(b["kv_bytes"]),
-               "experts_touched": round(b["experts_touched"], 2), "copy_bw_gbps": copy_bw,
+               "experts_touched": round(b["experts_touched"], 2),
+               "routing": routing.label if routing is not None else "model",
+               "experts_measured": round(experts, 2) if experts is not None else None, "copy_bw_gbps": copy_bw,
                "floor_us": round(floor, 2) if floor else None,
                "floor_ratio": round(r["step_us"] / floor, 3) if floor else None,
                "first_tokens": " ".join(map(str, r["tokens"][0, :8].tolist()))}
@@ -74,19 +83,23 @@ def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
         cfg = make_preset(kw["preset"], tp=tp, rank=rank, **kw["overrides"])
     model, init = build_model(cfg, DistComm(), kw["checkpoint"], kw["moe"], kw["attn"], kw["seed"],
                               device, kw["init"], kw["kernels"])
+    from ddbench.engine.routing import install
+
+    routing = install(model, kw["routing"], kw["seed"])
     copy_bw = None
     if device.type == "cuda":
         from ddbench.timing import copy_bandwidth_gbps
         copy_bw = copy_bandwidth_gbps(device)
     base = {**kw["base"], "init": init}
     measure_rows(model, kw["concurrency"], kw["prompt_len"], kw["new_tokens"], kw["seed"], kw["graph"],
-                 copy_bw, base, report)
+                 copy_bw, base, report, routing)
 
 
 def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | None, concurrency: list[int],
         prompt_len: int, new_tokens: int, checkpoint: Path | None, allreduce_model: str | None,
         moe_backend: str, attn_backend: str, graph: bool, init: str, seed: int, out: Path,
-        override: list[str] | None, name: str | None = None, kernels: KernelChoice | None = None) -> Path:
+        override: list[str] | None, name: str | None = None, kernels: KernelChoice | None = None,
+        routing: str | None = None) -> Path:
     from rich.console import Console
     from rich.progress import Progress
 
@@ -139,6 +152,11 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
                                "comm_us modelled (simulated) or measured (distributed); floor_us = (weight + "
                                "KV bytes a step reads) / measured copy bandwidth")
     total_rows = len(concurrency)
+    from ddbench.engine.routing import default_routing, parse_routing
+
+    routing = default_routing(routing, checkpoint)
+    parse_routing(routing)
+    meta["routing"] = routing
     # before the writer opens: a model that does not fit leaves no files behind
     model_bytes = None if distributed else check_fits(cfg, device, max(concurrency), prompt_len + new_tokens + 4)
     with ResultWriter(out, "decode", meta, name=name) as writer, Progress(console=console) as progress:
@@ -146,7 +164,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
         if distributed:
             kw = dict(device=device.type, preset=preset, overrides=overrides, checkpoint=checkpoint, moe=moe,
                       attn=attn, kernels=kernels, seed=seed, init=init, concurrency=concurrency, prompt_len=prompt_len,
-                      new_tokens=new_tokens, graph=graph, base=base)
+                      new_tokens=new_tokens, graph=graph, base=base, routing=routing)
             from ddbench.ranks import run_ranks
 
             def on_row(row):
@@ -176,7 +194,10 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
             def on_row(row):
                 writer.write({**row, "init": used})
                 progress.advance(task)
-            measure_rows(model, concurrency, prompt_len, new_tokens, seed, graph, copy_bw, base, on_row)
+            from ddbench.engine.routing import install
+
+            measure_rows(model, concurrency, prompt_len, new_tokens, seed, graph, copy_bw, base, on_row,
+                         install(model, routing, seed))
             if cuda:
                 writer.meta["gpu_mem_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     print_table(console, writer.rows)

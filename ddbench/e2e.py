@@ -20,21 +20,37 @@ How a run is timed (engine/spec.py has the loop):
   step (the stand-ins in the measured step do no communication); 0 at tp=1.
 - `step_total_us` = step + host + comm; `output_tok_per_s` = new tokens / (steps x
   step_total): for a simulated rank this is the projected TP-n throughput.
-- bytes floor: weights a step must read (dense, routed experts touched by c x (budget+1)
-  tokens under uniform routing, lm_head twice for spec, drafter) + KV and drafter context
-  read, / the copy bandwidth measured in the run. `floor_ratio` = step_total / (floor + comm).
+- routing (`--routing`, engine/routing.py): `uniform` (default with random weights: each
+  token's experts drawn uniformly after the router ran), `model` (the router's choice;
+  default with a checkpoint) or `overlap:F`. `experts_measured` = mean distinct experts
+  per MoE layer and forward of the timed run, counted on the device; `experts_uniform`
+  the formula for independent uniform top-k of the same tokens.
+- bytes floor: weights a step must read (dense, routed experts: the MEASURED distinct
+  count, lm_head twice for spec, drafter) + KV and drafter context read, / the copy
+  bandwidth measured in the run. `floor_ratio` = step_total / (floor + comm).
+- `step_us_p20` / `_p80`: spread of the per-step device time (after a warm-up run when
+  the step is not a CUDA graph).
+- `--budget auto` (engine/cost_model.py): each phase's cost fitted by least squares over
+  the measured grid, the budget with the best predicted tok/s per concurrency and drawn
+  acceptance measured again (`budget_auto` True); `predicted_tok_per_s` beside measured.
 
-Acceptance: `real` (the true greedy walk), `synthetic:TAU`, `profile:FILE` (engine/spec.py).
-Every row carries `acceptance`; AR rows say `none`.
+Acceptance: `real` (the true greedy walk), `synthetic:TAU`, `profile:FILE`, `rank:PROFILE`
+(engine/spec.py, engine/acceptance.py); `expected_accepted` is the analytic mean tokens per
+step of the built trees in the drawn modes. Every row carries `acceptance`; AR rows say
+`none`. Real rows report `mismatches_tied` / `mismatches_real`: streams whose output left
+AR's at a token chosen from an exact top-2 logit tie (bf16 breaks those differently in a
+batch) or elsewhere.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import torch
 
 from ddbench import UserError
+from ddbench.engine.config import ConfigError
 
 PHASE_COLS = ("draft", "tree", "verify_attention", "verify_moe", "verify_other", "accept", "comm", "host")
 
@@ -60,13 +76,18 @@ def verify_split(profile: dict, verify_us: float, real_comm: bool = False) -> di
             "verify_other": verify_us * (total - attn - moe - comm) / total}
 
 
-def step_floor_bytes(model, drafter, c: int, budget: int, context: float, max_len: int) -> dict:
-    """Bytes one step must read at least (budget 0: an AR step, no drafter)."""
+def step_floor_bytes(model, drafter, c: int, budget: int, context: float, max_len: int,
+                     experts: float | None = None) -> dict:
+    """Bytes one step must read at least (budget 0: an AR step, no drafter); `experts`: the
+    measured distinct experts per MoE layer (else the uniform-routing formula's)."""
     from ddbench.engine.decode import step_bytes
 
     cfg = model.cfg
     tokens = c * (budget + 1)
     b = step_bytes(model, tokens, 0.0)
+    if experts is not None and b["experts_touched"]:
+        b["weight_bytes"] = b["dense_bytes"] + b["routed_bytes"] * experts / b["experts_touched"]
+        b["experts_touched"] = experts
     per_tok = cfg.kv_values_per_token * model.dtype.itemsize
     kv = c * (context + budget + 1) * per_tok
     draft = 0
@@ -86,8 +107,15 @@ def _fmt(x, nd=2):
 def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, acc, copy_bw, prompt_lens,
                    new_tokens: int, seed: int) -> dict:
     """Time the verify's phases (one eager step, then a graph of the verify when graphs are
-    on), run the decode from the post-prefill state, and return the CSV row."""
+    on), run the decode from the post-prefill state (after a warm-up run when the step is
+    eager), and return the CSV row."""
+    import numpy as np
+
+    from ddbench.kernels.moe import expected_experts_touched
+
     comm = sess.model.comm
+    ranks = getattr(stepper, "ranks", None)
+    kept = ranks.counts.clone() if ranks is not None else None    # only the timed run's steps count
     sess.restore()
     if hasattr(comm, "reset"):
         comm.reset()
@@ -100,9 +128,26 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
             prof, split_method = stepper.graph_verify_phases(), "graph"
         except Exception as e:  # noqa: BLE001 - older torch or capture trouble: keep the eager split
             print(f"note: verify phases inside a CUDA graph failed ({type(e).__name__}: {e}); eager split")
+    if stepper.graphs is None:            # eager (CPU): one short warm-up run first
+        sess.restore()
+        stepper.run(max_steps=1)
     sess.restore()
+    routing = sess.routing
+    if routing is not None:
+        routing.reset()
+    expected = None
+    if budget and acc.mode != "real":     # analytic E[tokens per step] of the trees built from this state
+        stepper.step()
+        expected = float(stepper.expected_tokens().mean())
+        sess.restore()
     torch.manual_seed(seed)
+    if routing is not None:
+        routing.reset()
+    if ranks is not None:
+        ranks.counts.copy_(kept)
     st = stepper.run()
+    experts = routing.mean_touched(budget + 1) if routing is not None else None
+    p20, p80 = (np.percentile(st.step_us, [20, 80]).tolist() if st.step_us else (None, None))
     steps = max(st.steps, 1)
     ph = {k: v / steps for k, v in st.phase_us.items()}
     step_us = st.device_us / steps
@@ -112,18 +157,21 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
     if real_comm:
         comm_us = split["verify_comm"]             # measured, verify forward only
     context = sum(prompt_lens) / len(prompt_lens) + new_tokens / 2
-    fb = step_floor_bytes(sess.model, sess.drafter, c, budget, context, sess.max_len)
+    fb = step_floor_bytes(sess.model, sess.drafter, c, budget, context, sess.max_len, experts)
     floor = fb["total"] / (copy_bw * 1e3) if copy_bw else None
     tau = getattr(acc, "tau", None)
     return {
         **base, "label": label, "decoder": "ddtree" if budget else "ar",
         "acceptance": acc.label if budget else "none", "acceptance_mode": acc.mode if budget else "none",
         "tau_target": _fmt(tau, 3) if budget else None,
-        "concurrency": c, "budget": budget, "topk": getattr(stepper, "topk", 0),
+        "concurrency": c, "budget": budget, "budget_auto": False, "topk": getattr(stepper, "topk", 0),
+        "routing": routing.label if routing is not None else "model",
+        "expected_accepted": _fmt(expected, 3), "predicted_tok_per_s": None, "context": _fmt(context),
         "prompt_len": " ".join(map(str, sorted(set(prompt_lens)))), "new_tokens": new_tokens,
         "cuda_graph": st.cuda_graph, "graph_error": stepper.graph_error or "",
         "steps": st.steps, "tokens": st.tokens, "mean_accepted": _fmt(st.mean_accepted, 3),
-        "step_us": _fmt(step_us), "host_us": _fmt(host_us), "comm_us": _fmt(comm_us),
+        "step_us": _fmt(step_us), "step_us_p20": _fmt(p20), "step_us_p80": _fmt(p80),
+        "host_us": _fmt(host_us), "comm_us": _fmt(comm_us),
         "comm_source": "modelled" if simulated else ("measured in verify" if real_comm else "none"),
         "step_total_us": _fmt(total_us),
         "steps_per_s": _fmt(1e6 / total_us), "output_tok_per_s": _fmt(st.tokens / (steps * total_us) * 1e6),
@@ -134,7 +182,9 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
         **{f"{k}_us": _fmt(v) for k, v in split.items() if k != "verify_comm"},
         "accept_us": _fmt(ph["accept"]), "verify_split_method": split_method,
         "weight_bytes": int(fb["weight_bytes"]), "kv_bytes": int(fb["kv_bytes"]), "draft_bytes": int(fb["draft_bytes"]),
-        "experts_touched": _fmt(fb["experts_touched"]), "copy_bw_gbps": _fmt(copy_bw),
+        "experts_measured": _fmt(experts), "experts_uniform": _fmt(expected_experts_touched(
+            c * (budget + 1), sess.model.cfg.n_experts, sess.model.cfg.top_k)),
+        "copy_bw_gbps": _fmt(copy_bw),
         "floor_us": _fmt(floor), "floor_plus_comm_us": _fmt(floor + comm_us) if floor else None,
         "floor_ratio": _fmt(total_us / (floor + comm_us), 3) if floor else None,
     }
@@ -142,8 +192,11 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
 
 def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prompt_lens: list[int],
                     new_tokens: int, topk: int | None, graph: bool, copy_bw, base: dict, seed: int,
-                    on_row, kernels: str = "auto", errors: list | None = None) -> None:
-    """Prefill c streams once, then AR and every budget x acceptance from that state.
+                    on_row, kernels: str = "auto", errors: list | None = None, routing=None, ranks=None,
+                    ar: bool = True) -> None:
+    """Prefill c streams once, then AR (unless `ar` is False) and every budget x acceptance
+    from that state. `routing`: the model's `engine.routing.Routing`; `ranks`: an
+    `engine.acceptance.RankCounter` that real-acceptance runs add to.
 
     With an `errors` list, a budget whose run raises is reported (traceback on stderr, a
     line in `errors`) and the next budget runs; without one the exception propagates (a
@@ -154,6 +207,7 @@ def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prom
     lens = [prompt_lens[b % len(prompt_lens)] for b in range(c)]
     prompts = [torch.randint(0, model.cfg.vocab, (n,), generator=g).tolist() for n in lens]
     sess = Session(model, drafter, c, max_prompt=max(lens), max_new=new_tokens, max_budget=max(budgets))
+    sess.routing = routing
     cuda = model.device.type == "cuda"
     t0 = time.perf_counter()
     sess.prefill(prompts, new_tokens)
@@ -163,7 +217,7 @@ def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prom
     use_graph = graph and cuda and model.moe_backend != "torch"    # the torch MoE reference syncs
     base = {**base, "prefill_s": round(prefill_s, 3)}
 
-    ar_out = []
+    ar_out, ar_tied = [], []
 
     def go(stepper, budget, acc, label):
         if use_graph and stepper.graphs is None and stepper.graph_error is None:
@@ -171,15 +225,19 @@ def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prom
         row = measure_config(sess, stepper, label, base, c, budget, acc, copy_bw, lens, new_tokens, seed)
         out = sess.outputs()
         if not budget:
-            ar_out[:] = out
+            ar_out[:], ar_tied[:] = out, sess.tie_flags()
         # lossless check: real acceptance must reproduce greedy decoding token for token
-        row["matches_ar"] = (out == ar_out) if budget and acc.mode == "real" else None
+        real = bool(budget) and acc.mode == "real" and bool(ar_out)
+        row["matches_ar"] = (out == ar_out) if real else None
+        tied, other = mismatches(out, sess.tie_flags(), ar_out, ar_tied) if real else (None, None)
+        row["mismatches_tied"], row["mismatches_real"] = tied, other
         row["first_tokens"] = " ".join(map(str, out[0][:8]))
         on_row(row)
 
-    ar = ARStep(sess)
-    go(ar, 0, None, "engine AR")
-    del ar
+    if ar:
+        step = ARStep(sess)
+        go(step, 0, None, "engine AR")
+        del step
     for budget in budgets:
         real = [a for a in accs if a.mode == "real"]
         drawn = [a for a in accs if a.mode != "real"]
@@ -189,6 +247,8 @@ def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prom
             step = None
             try:
                 step = SpecStep(sess, budget, topk, group[0], kernels=kernels)
+                if group[0].mode == "real":
+                    step.ranks, step.tied_out = ranks, True
                 for acc in group:
                     step.set_acceptance(acc)
                     go(step, budget, acc, f"engine DDTree {acc.label}")
@@ -203,6 +263,55 @@ def run_concurrency(model, drafter, c: int, budgets: list[int], accs: list, prom
                 torch.cuda.empty_cache()
 
 
+def mismatches(out, tied, ar_out, ar_tied) -> tuple[int, int]:
+    """(streams whose output first leaves AR's at a token either run chose from an exact
+    top-2 tie, streams that leave it elsewhere)."""
+    at_tie = other = 0
+    for o, t, a, at in zip(out, tied, ar_out, ar_tied):
+        if o == a:
+            continue
+        i = next((j for j, (x, y) in enumerate(zip(o, a)) if x != y), min(len(o), len(a)))
+        if (i < len(t) and t[i]) or (i < len(at) and at[i]):
+            at_tie += 1
+        else:
+            other += 1
+    return at_tie, other
+
+
+def auto_budgets(rows: list[dict], accs: list, depth: int, topk: int | None, grid: list[int], on_row, measure,
+                 say) -> None:
+    """`--budget auto`: fit the cost model to the grid's DDTree rows, write the grid rows with
+    their prediction, then per concurrency and drawn acceptance measure the budget with the
+    best predicted tok/s (in the grid's range) and write it with its prediction."""
+    from ddbench.engine.cost_model import CostModel
+
+    spec = [r for r in rows if r["decoder"] == "ddtree" and r.get("experts_measured") is not None]
+    if not spec:
+        for r in rows:
+            on_row(r)
+        say("note: --budget auto needs measured DDTree rows with an expert count; nothing to fit")
+        return
+    model = CostModel.fit([{**r, "experts": r["experts_measured"],
+                            **{f"{p}_us": r[f"{p}_us"] or 0.0 for p in PHASE_COLS}} for r in spec])
+    k = topk or 16
+    curves = {a.label: a.expected_curve(depth, k, max(grid)) for a in accs if a.mode != "real"}
+    for r in rows:
+        curve = curves.get(r["acceptance"])
+        if r["decoder"] == "ddtree" and curve is not None:
+            r["predicted_tok_per_s"] = _fmt(model.tok_per_s(r["concurrency"], r["budget"], curve[r["budget"]],
+                                                            context=r["context"]))
+        on_row(r)
+    for c in sorted({r["concurrency"] for r in spec}):
+        for acc in [a for a in accs if a.mode != "real"]:
+            b, pred = model.best_budget(c, curves[acc.label], min(grid), max(grid))
+            say(f"budget auto: c={c} {acc.label}: budget {b}, predicted {pred:.1f} tok/s")
+
+            def put(row, pred=pred):
+                on_row({**row, "budget_auto": True, "predicted_tok_per_s": _fmt(pred),
+                        "label": row["label"] + " (auto budget)"})
+            measure(c, b, [acc], put)
+
+
 def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
     """One process of a real TP run (see `ddbench.ranks`); every rank runs the same sequence
     (same seeds, so the same prompts, draws and decisions) and rank 0 reports the rows."""
@@ -214,13 +323,16 @@ def _rank_worker(rank: int, tp: int, port: int, report, kw: dict) -> None:
     cfg = _config(kw["preset"], kw["checkpoint"], tp, rank, kw["overrides"])
     model, drafter, used = build_engine(cfg, DistComm(), kw["checkpoint"], kw["moe"], kw["attn"], kw["seed"],
                                         device, kw["init"], kw["kernel_choice"])
+    from ddbench.engine.routing import install
+
+    routing = install(model, kw["routing"], kw["seed"])
     copy_bw = None
     if device.type == "cuda":
         from ddbench.timing import copy_bandwidth_gbps
         copy_bw = copy_bandwidth_gbps(device)
     for c in kw["concurrency"]:
         run_concurrency(model, drafter, c, kw["budgets"], kw["accs"], kw["lens"], kw["new_tokens"], kw["topk"],
-                        kw["graph"], copy_bw, {**kw["base"], "init": used}, kw["seed"], report)
+                        kw["graph"], copy_bw, {**kw["base"], "init": used}, kw["seed"], report, routing=routing)
 
 
 def _config(preset: str, checkpoint, tp: int, rank: int, overrides: dict):
@@ -264,10 +376,13 @@ def print_table(console, rows: list[dict], baseline: list[dict]) -> None:
     if not console.is_terminal:          # logs and pipes: do not squeeze 18 columns into 80
         console = Console(width=max(console.width, 200))
 
-    t = Table(title="ddbench e2e (us per step; total = step + host (+ modelled comm when simulated: "
-                    "projected tok/s); lossless = real acceptance reproduced AR's tokens)")
+    toy = any(str(r.get("device", "")).startswith("cpu") for r in rows)
+    t = Table(title=("CPU TOY RUN (tiny model, host timings: not comparable with GPU numbers) " if toy else "")
+              + "ddbench e2e (us per step; total = step + host (+ modelled comm when simulated: "
+                "projected tok/s); lossless = real acceptance reproduced AR's tokens; experts = measured "
+                "distinct per MoE layer)")
     cols = ("c", "decoder", "budget", "acceptance", "lossless", "acc len", "graph", "total us", "tok/s", "x AR",
-            "draft", "tree", "v-attn", "v-moe", "v-other", "accept", "comm", "host", "x floor")
+            "pred", "experts", "draft", "tree", "v-attn", "v-moe", "v-other", "accept", "comm", "host", "x floor")
     for col in cols:
         t.add_column(col, justify="right")
     ar = {r["concurrency"]: r["output_tok_per_s"] for r in rows if r["decoder"] == "ar"}
@@ -276,9 +391,13 @@ def print_table(console, rows: list[dict], baseline: list[dict]) -> None:
         for r in [r for r in rows if r["concurrency"] == c]:
             speed = r["output_tok_per_s"] / ar[c] if ar.get(c) else None
             ok = {True: "yes", False: "NO", None: "-"}[r.get("matches_ar")]
-            t.add_row(str(c), r["decoder"], str(r["budget"] or "-"), r["acceptance"], ok, f"{r['mean_accepted']:.2f}",
+            if r.get("matches_ar") is False:
+                ok += f" ({r.get('mismatches_tied')} tie/{r.get('mismatches_real')} real)"
+            b = str(r["budget"] or "-") + (" auto" if r.get("budget_auto") else "")
+            t.add_row(str(c), r["decoder"], b, r["acceptance"], ok, f"{r['mean_accepted']:.2f}",
                       "y" if r["cuda_graph"] else "n", f0(r["step_total_us"]), f"{r['output_tok_per_s']:.1f}",
-                      "-" if speed is None else f"{speed:.2f}",
+                      "-" if speed is None else f"{speed:.2f}", f0(r.get("predicted_tok_per_s")),
+                      f0(r.get("experts_measured")),
                       *(f0(r[f"{p}_us"]) for p in PHASE_COLS),
                       "-" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}")
         for b in [b for b in baseline if b["concurrency"] == c]:
@@ -287,11 +406,48 @@ def print_table(console, rows: list[dict], baseline: list[dict]) -> None:
     console.print(t)
 
 
-def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | None, concurrency: list[int],
-        budgets: list[int], acceptance: list[str], prompt_len: str, new_tokens: int, checkpoint: Path | None,
-        allreduce_model: str | None, moe_backend: str, attn_backend: str, graph: bool, init: str,
-        topk: int | None, seed: int, out: Path, override: list[str] | None,
-        baseline: Path = Path("results/baseline"), name: str | None = None, kernel_choice=None) -> Path:
+GPU_DEFAULTS = dict(concurrency=[1, 10], budgets=[16, 32, 64, 128, 256], new_tokens=64)
+CPU_DEFAULTS = dict(concurrency=[1, 2], budgets=[4, 16], new_tokens=8)    # the tiny preset: seconds
+AUTO_GRID = [8, 32, 128]      # --budget auto alone: the fit grid
+
+
+def parse_budgets(text: str | None) -> tuple[list[int] | None, bool]:
+    """'16,32' | '8,32,auto' | 'auto' -> (budgets or None, auto)."""
+    from ddbench.args import parse_int_list
+
+    if text is None:
+        return None, False
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    auto = "auto" in parts
+    nums = ",".join(p for p in parts if p != "auto")
+    return (parse_int_list(nums, "--budget") if nums else None), auto
+
+
+def resolve_layout(cfg_for, tp: int | None, simulate_rank: int | None, checkpoint, device, n_streams: int,
+                   max_len: int, say) -> tuple[int, int | None]:
+    """--tp unset: tp=1 where the model fits, else one rank of TP-8 (said in one line). An
+    explicit layout that cannot fit fails here, before anything is allocated."""
+    from ddbench.engine.build import check_fits
+
+    if tp is None:
+        tp = 1
+        if device.type == "cuda" and checkpoint is None and simulate_rank is None:
+            try:
+                check_fits(cfg_for(1, 0), device, n_streams, max_len)
+            except ConfigError:
+                say("note: the model does not fit on this device at tp=1, so one rank of TP-8 "
+                    "(--tp 8 --simulate-rank 0; pass --tp to choose)")
+                return 8, 0
+    return tp, simulate_rank
+
+
+def run(*, preset: str | None, tp: int | None, simulate_rank: int | None, gpus: int | None,
+        concurrency: list[int] | None, budgets: list[int] | None, acceptance: list[str], prompt_len: str,
+        new_tokens: int | None, checkpoint: Path | None, allreduce_model: str | None, moe_backend: str,
+        attn_backend: str, graph: bool, init: str, topk: int | None, seed: int, out: Path,
+        override: list[str] | None, baseline: Path = Path("results/baseline"), name: str | None = None,
+        kernel_choice=None, routing: str | None = None, budget_auto: bool = False,
+        save_profile: Path | None = None) -> Path:
     from rich.console import Console
     from rich.progress import Progress
 
@@ -305,9 +461,32 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     from ddbench.engine.parallel import LocalComm, SimComm
     from ddbench.engine.spec import parse_acceptance
 
+    from ddbench.engine.acceptance import RankCounter, save_profile as write_profile
+    from ddbench.engine.routing import default_routing, install, parse_routing
+
     console = Console()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
+    concurrency = concurrency or defaults["concurrency"]
+    if budgets is None:
+        budgets = AUTO_GRID if budget_auto else defaults["budgets"]
+    new_tokens = new_tokens if new_tokens is not None else defaults["new_tokens"]
+    routing = default_routing(routing, checkpoint)
+    parse_routing(routing)
+    if not cuda:     # CPU timings: a fixed thread count
+        torch.set_num_threads(min(4, os.cpu_count() or 1))
+    if preset is None:
+        preset = "k2.6" if cuda else "tiny"
+        if not cuda and checkpoint is None:
+            console.print("note: no GPU, so the tiny preset and a short run (pass --preset etc. to choose); "
+                          "CPU numbers are a toy, not comparable with a GPU service")
+    overrides = parse_overrides(override)
+    max_len = max(parse_prompt_lens(prompt_len)) + new_tokens + 2 * max(budgets) + 64   # Session's, rounded up
+    if tp is None:
+        tp, simulate_rank = resolve_layout(lambda t, r: _config(preset, checkpoint, t, r, overrides), tp,
+                                           simulate_rank, checkpoint, device, max(concurrency), max_len,
+                                           console.print)
     distributed = check_layout(tp, gpus, simulate_rank, cuda)
     if new_tokens < 2:
         raise UserError("--new-tokens must be >= 2")
@@ -322,17 +501,17 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
     if checkpoint is not None and not Path(checkpoint).is_dir():
         raise UserError(f"--checkpoint {checkpoint}: no such directory")
     lens = parse_prompt_lens(prompt_len)
-    if preset is None:
-        preset = "k2.6" if cuda else "tiny"
-        if not cuda and checkpoint is None:
-            console.print("note: no GPU, so the tiny preset (pass --preset to choose)")
     rank = simulate_rank or 0
-    overrides = parse_overrides(override)
     cfg = _config(preset, checkpoint, tp, rank, overrides)
+    if not distributed:          # an explicit layout that cannot fit fails before allocating
+        from ddbench.engine.build import check_fits
+        check_fits(cfg, device, max(concurrency), max_len)
     dc = drafter_config(cfg)
     accs = [parse_acceptance(a.strip(), dc.depth) for a in acceptance if a.strip()]
     if not accs:
-        raise UserError("--acceptance: give at least one of real, synthetic:TAU, profile:FILE")
+        raise UserError("--acceptance: give at least one of real, synthetic:TAU, profile:FILE, rank:PROFILE")
+    if save_profile is not None and not any(a.mode == "real" for a in accs):
+        raise UserError("--save-profile records real acceptance: add 'real' to --acceptance")
     moe, attn = pick_backends(device, moe_backend, attn_backend)
     kernel_choice = kernel_choice or KernelChoice()
     predict, model_desc = (None, None)
@@ -340,12 +519,13 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
         predict, model_desc = allreduce_predictor(allreduce_model, tp)
     mode = "distributed" if distributed else ("simulated" if tp > 1 else "single")
     base = {"preset": cfg.name, "tp": tp, "rank": "all" if distributed else rank, "mode": mode, "moe_backend": moe, "attn_backend": attn,
-            "kernels": str(kernel_choice), "device": str(device), "checkpoint": str(checkpoint) if checkpoint else "",
+            "kernels": str(kernel_choice), "device": str(device), "routing": routing, "checkpoint": str(checkpoint) if checkpoint else "",
             "drafter": f"{dc.n_layers}L {dc.n_heads}q/{dc.n_kv_heads}kv block {dc.block}"}
     meta = run_metadata("e2e", preset=cfg.name, seed=seed, tp=tp, simulate_rank=simulate_rank, mode=mode,
                         allreduce_model=model_desc, config=cfg.to_dict(), drafter=dict(vars(dc)),
                         moe_backend=moe, attn_backend=attn, kernels=resolve(kernel_choice, device),
-                        acceptance=[a.label for a in accs],
+                        acceptance=[a.label for a in accs], routing=routing,
+                        torch_threads=torch.get_num_threads(), budget_auto=budget_auto,
                         method=__doc__.split("How a run is timed (engine/spec.py has the loop):")[1].strip())
     n_rows = len(concurrency) * (1 + len(budgets) * len(accs))
     errors: list[str] = []
@@ -359,7 +539,7 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
             kw = dict(device=device.type, preset=preset, overrides=overrides, checkpoint=checkpoint, moe=moe,
                       attn=attn, kernel_choice=kernel_choice, seed=seed, init=init, concurrency=concurrency,
                       budgets=budgets, accs=accs,
-                      lens=lens, new_tokens=new_tokens, topk=topk, graph=graph, base=base)
+                      lens=lens, new_tokens=new_tokens, topk=topk, graph=graph, base=base, routing=routing)
             progress.update(task, description=f"e2e {cfg.name} tp={tp} distributed ({tp} processes)")
             from ddbench.ranks import run_ranks
 
@@ -380,17 +560,31 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
                 from ddbench.timing import copy_bandwidth_gbps
                 copy_bw = copy_bandwidth_gbps(device)
                 writer.meta["gpu_mem_allocated_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+            route = install(model, routing, seed)
+            ranks = RankCounter(dc.depth, device) if save_profile is not None else None
+            held: list[dict] = []          # --budget auto: grid rows wait for their prediction
             for c in concurrency:
                 progress.update(task, description=f"e2e {cfg.name} tp={tp} c={c}")
                 try:
                     run_concurrency(model, drafter, c, budgets, accs, lens, new_tokens, topk, graph, copy_bw,
-                                    {**base, "init": used}, seed, on_row, errors=errors)
+                                    {**base, "init": used}, seed, held.append if budget_auto else on_row,
+                                    errors=errors, routing=route, ranks=ranks)
                 except torch.cuda.OutOfMemoryError as e:
                     raise UserError(f"out of GPU memory at concurrency {c}: {e}") from None
+            if budget_auto:
+                auto_budgets(held, accs, dc.depth, topk, budgets, on_row, lambda c, b, accs_c, on: run_concurrency(
+                    model, drafter, c, [b], accs_c, lens, new_tokens, topk, graph, copy_bw,
+                    {**base, "init": used}, seed, on, errors=errors, routing=route, ar=False), console.print)
+            if ranks is not None:
+                prof = write_profile(save_profile, ranks.counts,
+                                     f"measured by ddbench e2e --acceptance real: {cfg.name} tp={tp}, drafter "
+                                     f"{base['drafter']}, init {used}, concurrency {concurrency}, budgets {budgets}")
+                writer.meta["saved_profile"] = str(save_profile)
+                console.print(f"wrote rank profile {save_profile} ({prof.params['observations']} observations)")
             if cuda:
                 writer.meta["gpu_mem_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         writer.meta["errors"] = errors
-    print_table(console, writer.rows, baseline_rows([baseline]))
+    print_table(console, writer.rows, baseline_rows([baseline]) if cuda else [])
     console.print(f"wrote {writer.path}")
     if errors:
         for e in errors:

@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from ddbench.cli import app
+from ddbench.engine.acceptance import load_profile
+from ddbench.engine.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,8 +21,9 @@ def e2e_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
     base = out / "baseline"
     shutil.copytree(ROOT / "results" / "baseline", base)
-    r = CliRunner().invoke(app, ["e2e", "--preset", "tiny", "--concurrency", "1,2", "--budget", "3,6",
-                                 "--acceptance", "real,synthetic:3", "--prompt-len", "5,9", "--new-tokens", "5",
+    r = CliRunner().invoke(app, ["e2e", "--preset", "tiny", "--concurrency", "1,2", "--budget", "4",
+                                 "--acceptance", "real,synthetic:3,rank:dflash-k25-gsm8k-paper",
+                                 "--prompt-len", "5,9", "--new-tokens", "5", "--save-profile", str(out / "p.json"),
                                  "--baseline", str(base), "--out", str(out)])
     assert r.exit_code == 0, r.output
     csv = next(out.glob("e2e_*.csv"))
@@ -29,23 +33,93 @@ def e2e_run(tmp_path_factory):
 def test_e2e_rows_and_columns(e2e_run):
     out, csv, output = e2e_run
     df = pd.read_csv(csv)
-    assert len(df) == 2 * (1 + 2 * 2)
+    assert len(df) == 2 * (1 + 3)
     for col in ("decoder", "acceptance", "concurrency", "budget", "output_tok_per_s", "steps_per_s",
                 "mean_accepted", "step_total_us", "draft_us", "tree_us", "verify_attention_us", "verify_moe_us",
-                "verify_other_us", "comm_us", "accept_us", "host_us", "floor_us", "cuda_graph"):
+                "verify_other_us", "comm_us", "accept_us", "host_us", "floor_us", "cuda_graph", "routing",
+                "experts_measured", "experts_uniform", "expected_accepted", "predicted_tok_per_s", "budget_auto",
+                "step_us_p20", "step_us_p80", "mismatches_tied", "mismatches_real"):
         assert col in df.columns, col
     ar = df[df.decoder == "ar"]
     assert list(ar.acceptance) == ["none", "none"] and (ar.mean_accepted == 1.0).all()
     spec = df[df.decoder == "ddtree"]
-    assert set(spec.acceptance) == {"real", "synthetic:3"} and set(spec.budget) == {3, 6}
+    assert set(spec.acceptance) == {"real", "synthetic:3", "rank:dflash-k25-gsm8k-paper"}
+    assert set(spec.budget) == {4} and (df.routing == "uniform").all()
+    assert (df.experts_measured > 0).all() and (df.step_us_p20 <= df.step_us_p80).all()
+    rank = spec[spec.acceptance == "rank:dflash-k25-gsm8k-paper"]
+    assert (rank.expected_accepted > 2).all() and (rank.mean_accepted > 1.5).all()
+    real = spec[spec.acceptance == "real"]
+    assert (real.mismatches_tied == 0).all() and (real.mismatches_real == 0).all()
     assert (df.tokens == df.concurrency * 4).all()             # new tokens - the prefill's first
     assert (df.output_tok_per_s > 0).all()
     assert (spec[spec.acceptance == "real"].matches_ar == True).all()  # noqa: E712 - NaN must fail      # lossless vs AR, same run
     syn = spec[spec.acceptance == "synthetic:3"]
     assert (syn.mean_accepted > 1.5).all() and (syn.tau_target == 3.0).all()
     meta = json.loads(csv.with_suffix(".json").read_text())
-    assert meta["kind"] == "e2e" and meta["completed"] and meta["acceptance"] == ["real", "synthetic:3"]
-    assert "SGLang" in output and "138.0" in output              # the baseline row beside the engine
+    assert meta["kind"] == "e2e" and meta["completed"]
+    assert meta["acceptance"] == ["real", "synthetic:3", "rank:dflash-k25-gsm8k-paper"]
+    assert "CPU TOY RUN" in output and "SGLang" not in output   # no GPU service rows beside CPU toy numbers
+    prof = load_profile(str(out / "p.json"))                      # the real runs' ranks, round-trippable
+    assert prof.params["observations"] > 0 and prof.depth == 7
+    assert load_profile(str(out / "p.json")).probs == prof.probs
+
+
+def test_e2e_budget_auto(tmp_path):
+    """--budget auto on the tiny preset: grid rows carry the cost model's prediction, one
+    more row per drawn acceptance at the chosen budget (budget_auto)."""
+    r = CliRunner().invoke(app, ["e2e", "--preset", "tiny", "--concurrency", "1", "--budget", "2,4,auto",
+                                 "--acceptance", "rank:dflash-k25-mtbench-paper", "--prompt-len", "4",
+                                 "--new-tokens", "4", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(next(tmp_path.glob("e2e_*.csv")))
+    assert len(df) == 1 + 2 + 1 and "budget auto: c=1" in r.output
+    auto = df[df.budget_auto == True]  # noqa: E712
+    assert len(auto) == 1 and int(auto.budget.iloc[0]) in range(2, 5) and auto.predicted_tok_per_s.iloc[0] > 0
+    assert (df[df.decoder == "ddtree"].predicted_tok_per_s > 0).all()
+
+
+def test_e2e_layout_default_and_fit_check(tmp_path, monkeypatch):
+    """Where the model cannot fit at tp=1 the default is one rank of TP-8, said in one line;
+    an explicit layout that cannot fit fails before anything is allocated."""
+    from ddbench.e2e import resolve_layout
+    from ddbench.engine import build
+
+    said = []
+
+    def no_fit(cfg, *a):
+        raise ConfigError("does not fit")
+    monkeypatch.setattr(build, "check_fits", no_fit)
+    assert resolve_layout(lambda t, r: None, None, None, None, torch.device("cuda"), 10, 300, said.append) == (8, 0)
+    assert len(said) == 1 and "--tp 8 --simulate-rank 0" in said[0]
+    assert resolve_layout(lambda t, r: None, 2, None, None, torch.device("cuda"), 10, 300, said.append) == (2, None)
+    monkeypatch.undo()
+    monkeypatch.setattr(build, "free_bytes", lambda device: 1000)
+    r = CliRunner().invoke(app, ["e2e", "--preset", "tiny", "--tp", "1", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "try --tp 8 --simulate-rank 0" in r.output
+    assert not list(tmp_path.glob("*.csv"))
+
+
+def test_mismatches_split_ties():
+    from ddbench.e2e import mismatches
+
+    ar = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    ar_tied = [[False, False, False], [False, True, False], [False] * 3]
+    out = [[1, 2, 3], [4, 9, 9], [7, 0, 0]]
+    tied = [[False] * 3, [False] * 3, [False, False, True]]
+    assert mismatches(out, tied, ar, ar_tied) == (1, 1)
+
+
+@pytest.mark.slow
+def test_e2e_cpu_defaults_are_short(tmp_path):
+    """`ddbench e2e` with no options on a CPU: the tiny preset, a short run, labelled a toy."""
+    import time
+
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(app, ["e2e", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert time.perf_counter() - t0 < 120 and "CPU TOY RUN" in r.output and "SGLang" not in r.output
+    df = pd.read_csv(next(tmp_path.glob("e2e_*.csv")))
+    assert set(df.preset) == {"tiny"} and set(df.concurrency) == {1, 2}
 
 
 def test_e2e_report_plots(e2e_run):
@@ -54,7 +128,7 @@ def test_e2e_report_plots(e2e_run):
     out, _, _ = e2e_run
     report = run([out], out / "report", "png")
     text = report.read_text()
-    for name in ("e2e_throughput.png", "e2e_phases.png", "e2e_budget.png"):
+    for name in ("e2e_phases.png", "e2e_budget.png"):
         assert name in text and (out / "report" / name).stat().st_size > 1000
 
 
