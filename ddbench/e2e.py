@@ -133,8 +133,6 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
         stepper.run(max_steps=1)
     sess.restore()
     routing = sess.routing
-    if routing is not None:
-        routing.reset()
     expected = None
     if budget and acc.mode != "real":     # analytic E[tokens per step] of the trees built from this state
         stepper.step()
