@@ -196,7 +196,7 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
         graphs: bool, check: bool, reps: int, warmup: int, torch_max_tokens: int | None,
         tiles: Path | None, hot: int, hot_share: float, device: str, name: str | None,
         seed: int, out: Path, override: list[str] | None, kernel: str = "auto") -> Path:
-    from ddbench.cli import parse_int_list
+    from ddbench.args import parse_int_list
 
     dev = pick_device(device)
     on_gpu = dev.type == "cuda"

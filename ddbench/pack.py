@@ -26,7 +26,7 @@ EXPERT_CHUNK = 16
 
 
 def parse_layers(text: str, cfg: ModelConfig) -> list[int]:
-    from ddbench.cli import parse_int_list
+    from ddbench.args import parse_int_list
 
     layers = list(cfg.moe_layers) if text == "all" else parse_int_list(text, "--layers")
     bad = [x for x in layers if x not in cfg.moe_layers]

@@ -131,7 +131,8 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         from ddbench.kernels.moe_marlin import fused_moe_marlin
 
         return fused_moe_marlin(x, topk_ids, topk_weights, w, tiles)
-    from ddbench.kernels.moe_triton import MoeTritonConfig, check_inputs, fused_moe_triton, sm_count
+    from ddbench.kernels.device import sm_count
+    from ddbench.kernels.moe_triton import MoeTritonConfig, check_inputs, fused_moe_triton
 
     cfg = MoeTritonConfig(**tiles)
     if cfg.gemv and (x_half is not None or not sum_k):
@@ -145,7 +146,8 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 def _default_config(tokens: int, top_k: int, w: MarlinMoE, device, stream_rows: int = 1):
-    from ddbench.kernels.moe_triton import default_config, sm_count
+    from ddbench.kernels.device import sm_count
+    from ddbench.kernels.moe_triton import default_config
 
     return default_config(tokens, top_k, w.n_experts, w.inter, w.hidden, sm_count(device), stream_rows=stream_rows)
 

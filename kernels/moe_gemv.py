@@ -25,7 +25,7 @@ split; fp32 partial sums per split); SiLU(gate) * up * top-k weight in fp16; w2 
 per assignment); sum over k and cast. `block_m == 1`: a row block is one assignment, no sorting,
 and (FUSE_ACT) the SiLU launch is folded into w13: the last of an assignment's programs to
 finish (kernels.ticket) computes that assignment's act row. `block_m > 1`: assignments sorted
-by expert (`moe_triton.align_tokens`), so an expert's words are read once for its rows;
+by expert (`moe_align.align_tokens`), so an expert's words are read once for its rows;
 compiled, such blocks run on the tensor cores (`_mma_loop`, USE_MMA): Marlin's layout gives
 lane 4g + t of a warp the B fragments of an mma.m16n8k16 directly, the dequantized words are
 multiplied by up to 16 rows at the cost of one (rows g and g + 8 of each lane; fp32 sums),
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ddbench.kernels import moe_w2, pdl, ticket
-from ddbench.kernels.moe_triton import _block_rows, _scale_col, align_tokens
+from ddbench.kernels.moe_align import _block_rows, _scale_col, align_tokens
 
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
 FUSE_ACT = True  # block_m 1: SiLU(gate) * up * weight in w13's last program per assignment (read at each call)

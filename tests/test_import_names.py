@@ -29,13 +29,15 @@ def test_subpackages_resolve_from_anywhere(tmp_path):
     # and a bare `kernels` / `engine` is never the repo's (absent, or another distribution's)
     code = ("import json, importlib.util as u\n"
             "spec = lambda n: (lambda s: s and s.origin)(u.find_spec(n))\n"
-            "print(json.dumps({n: spec(n) for n in ('ddbench.kernels', 'ddbench.engine', 'kernels', 'engine')}))")
+            "print(json.dumps({n: spec(n) for n in ('ddbench.kernels.moe', 'ddbench.engine.model', 'kernels', 'engine')}))")
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout)
-    for name in ("kernels", "engine"):  # the repo's own code, wherever its folder lies in the repo
-        rel = Path(got[f"ddbench.{name}"]).resolve().relative_to(ROOT.resolve())
-        assert rel.parts[-2:] == (name, "__init__.py") and rel.parts[0] != ".venv", rel
+    # the repo's own code (its top-level folders hold no __init__.py: namespace packages, which
+    # never shadow a regular package of the same name elsewhere on sys.path)
+    for mod, name, file in (("ddbench.kernels.moe", "kernels", "moe.py"), ("ddbench.engine.model", "engine", "model.py")):
+        rel = Path(got[mod]).resolve().relative_to(ROOT.resolve())
+        assert rel.parts == (name, file), rel
     for name in ("kernels", "engine"):
         assert got[name] is None or not repo_folder(got[name], name), got
 

@@ -4,7 +4,9 @@ import torch
 
 from ddbench.engine.config import preset
 from ddbench.kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing
-from ddbench.kernels.moe_triton import MoeTritonConfig, align_tokens, check_inputs, default_config, fused_moe_triton, sm_count
+from ddbench.kernels.device import sm_count
+from ddbench.kernels.moe_align import align_tokens
+from ddbench.kernels.moe_triton import MoeTritonConfig, check_inputs, default_config, fused_moe_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -32,7 +32,7 @@ STALL = "smsp__average_warps_issue_stalled_"   # + reason + _per_issue_active.ra
 
 
 def run(conc: int, layers: int) -> None:
-    from ddbench.decode import build_model
+    from ddbench.engine.build import build_model
     from ddbench.engine.config import preset
     from ddbench.engine.decode import Decoder
     from ddbench.engine.parallel import SimComm

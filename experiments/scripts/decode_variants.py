@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ddbench.decode import build_model
+from ddbench.engine.build import build_model
 from ddbench.engine import model as em
 from ddbench.engine.config import preset
 from ddbench.engine.decode import Decoder
