@@ -561,14 +561,19 @@ def run(*, preset: str | None, tp: int | None, simulate_rank: int | None, gpus: 
             route = install(model, routing, seed)
             ranks = RankCounter(dc.depth, device) if save_profile is not None else None
             held: list[dict] = []          # --budget auto: grid rows wait for their prediction
-            for c in concurrency:
-                progress.update(task, description=f"e2e {cfg.name} tp={tp} c={c}")
-                try:
-                    run_concurrency(model, drafter, c, budgets, accs, lens, new_tokens, topk, graph, copy_bw,
-                                    {**base, "init": used}, seed, held.append if budget_auto else on_row,
-                                    errors=errors, routing=route, ranks=ranks)
-                except torch.cuda.OutOfMemoryError as e:
-                    raise UserError(f"out of GPU memory at concurrency {c}: {e}") from None
+            try:
+                for c in concurrency:
+                    progress.update(task, description=f"e2e {cfg.name} tp={tp} c={c}")
+                    try:
+                        run_concurrency(model, drafter, c, budgets, accs, lens, new_tokens, topk, graph, copy_bw,
+                                        {**base, "init": used}, seed, held.append if budget_auto else on_row,
+                                        errors=errors, routing=route, ranks=ranks)
+                    except torch.cuda.OutOfMemoryError as e:
+                        raise UserError(f"out of GPU memory at concurrency {c}: {e}") from None
+            except BaseException:
+                for r in held:          # stopped before the fit: the measured grid rows are kept
+                    on_row(r)
+                raise
             if budget_auto:
                 auto_budgets(held, accs, dc.depth, topk, budgets, on_row, lambda c, b, accs_c, on: run_concurrency(
                     model, drafter, c, [b], accs_c, lens, new_tokens, topk, graph, copy_bw,

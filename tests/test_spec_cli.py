@@ -179,3 +179,23 @@ def test_e2e_bad_input(tmp_path, args, msg):
     r = CliRunner().invoke(app, ["e2e", "--preset", "tiny", "--out", str(tmp_path), *args])
     assert r.exit_code == 2, r.output
     assert msg in r.output and r.output.count("\n") <= 2
+
+
+def test_e2e_budget_auto_interrupted_keeps_grid_rows(tmp_path, monkeypatch):
+    """--budget auto holds the grid rows for their prediction; a stop before the fit (Ctrl-C,
+    SIGTERM, a cap) still writes the rows measured so far."""
+    import ddbench.e2e as e2e
+
+    real = e2e.run_concurrency
+
+    def stop_after_first(model, drafter, c, *a, **kw):
+        if c == 2:
+            raise KeyboardInterrupt
+        return real(model, drafter, c, *a, **kw)
+
+    monkeypatch.setattr(e2e, "run_concurrency", stop_after_first)
+    CliRunner().invoke(app, ["e2e", "--preset", "tiny", "--concurrency", "1,2", "--budget", "2,auto",
+                             "--acceptance", "synthetic:2", "--new-tokens", "4", "--prompt-len", "8",
+                             "--out", str(tmp_path), "--name", "stopped"])
+    rows = pd.read_csv(tmp_path / "stopped.csv")
+    assert set(rows.concurrency) == {1} and {"ar", "ddtree"} <= set(rows.decoder)
