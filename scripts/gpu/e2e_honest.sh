@@ -8,7 +8,7 @@
 #    sibling gain) and synthetic:6, AR beside. One process: the model is built once.  <= ~6 min
 # 2. the same at c=10, budgets 32 and 128, with the router's own choice (--routing model),
 #    to show what random weights route.                                               <= ~2 min
-# Each step is stopped with SIGINT at its cap, so its CSV keeps the rows measured.
+# Each step is stopped with SIGINT at its cap (CAP1, CAP2 seconds), so its CSV keeps the rows measured.
 # Writes results/h200/e2e/<UTC stamp>_honest(.csv, .json) and _honest_model; logs/e2e_honest_<stamp>.log.
 cd "$(dirname "$0")/../.." || exit 1
 set -o pipefail
@@ -22,10 +22,10 @@ ACC=$ACC,rank:dflash-k25-mtbench-small,synthetic:6
 COMMON="--preset k2.6 --tp 8 --simulate-rank 0 --prompt-len 128 --new-tokens 64 --out $RES"
 rc=0
 echo "== e2e uniform routing, c=1,10, budgets 8..256 + auto ==" | tee "$LOG"
-timeout -s INT 390 "$PY" -m ddbench e2e $COMMON --routing uniform --concurrency 1,10 \
+timeout -s INT "${CAP1:-390}" "$PY" -m ddbench e2e $COMMON --routing uniform --concurrency 1,10 \
     --budget 8,16,32,64,128,256,auto --acceptance "$ACC" --name "${STAMP}_honest" 2>&1 | tee -a "$LOG" || rc=1
 echo "== e2e router's own routing (random weights), c=10 ==" | tee -a "$LOG"
-timeout -s INT 150 "$PY" -m ddbench e2e $COMMON --routing model --concurrency 10 --budget 32,128 \
+timeout -s INT "${CAP2:-150}" "$PY" -m ddbench e2e $COMMON --routing model --concurrency 10 --budget 32,128 \
     --acceptance rank:dflash-k25-gsm8k-paper,synthetic:6 --name "${STAMP}_honest_model" 2>&1 | tee -a "$LOG" || rc=1
 if [ -n "$OUT" ]; then cp "$RES/${STAMP}"_honest* "$LOG" "$OUT"/ 2>/dev/null; fi
 exit $rc
