@@ -107,7 +107,7 @@ def make_plan(*, gpus: int | None, backend: str, min_bytes: str, max_bytes: str 
               graph_ops: int, timeout: float, out: Path, name: str | None, model: bool,
               hidden: int, n_layers: int) -> Plan:
     """Check the command's input and build the Plan; UserError on anything wrong."""
-    from ddbench.results import check_name, timestamp
+    from ddbench.results import check_name, run_location
 
     notes = []
     if backend not in ("auto", "nccl", "gloo"):
@@ -174,9 +174,10 @@ def make_plan(*, gpus: int | None, backend: str, min_bytes: str, max_bytes: str 
         modes.remove("graph")
         notes.append(f"graph mode skipped: CUDA graphs need CUDA tensors and the nccl backend "
                      f"(backend {backend})")
+    loc = (Path(out), name) if name else run_location(out, "allreduce")
     return Plan(backend=backend, n_ranks=None if torchrun else world, sizes=sizes, dtype=dtype,
                 op=op, modes=modes, warmup=warmup, reps=reps, graph_ops=graph_ops,
-                timeout=float(timeout), out=str(out), name=name or f"allreduce_{timestamp()}",
+                timeout=float(timeout), out=str(loc[0]), name=loc[1],
                 command=" ".join(["ddbench", *sys.argv[1:]]), model=model, hidden=hidden,
                 n_layers=n_layers, notes=notes)
 

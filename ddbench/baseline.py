@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import math
 import random
@@ -79,6 +80,15 @@ class Prompt:
     prompt: str | list[int]
     prompt_len: int  # nominal length: token ids, or words of random text
     output_len: int
+
+
+def _where(out, kind: str, when, tag: str | None = None) -> dict:
+    """ResultWriter's out/kind/name for this run's `kind` file: out/<gpu>/baseline/<stamp>[_tag]
+    (`results.run_location`), one stamp for all the run's files."""
+    from ddbench.results import run_location
+
+    where, name = run_location(out, kind, tag, when=when)
+    return dict(out=where, kind=kind, name=name)
 
 
 def read_jsonl(path: Path):
@@ -574,7 +584,7 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
     from rich.console import Console
     from rich.progress import Progress
 
-    from ddbench.results import ResultWriter, run_metadata, timestamp
+    from ddbench.results import ResultWriter, run_metadata
 
     if api not in APIS:
         raise UserError(f"--api {api!r}: choose one of {', '.join(APIS)}")
@@ -604,7 +614,7 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
     console = Console(stderr=True, quiet=quiet)
     rate = None if math.isinf(request_rate) else request_rate
 
-    stamp = timestamp()
+    stamp = dt.datetime.now(dt.timezone.utc)   # one stamp for the run's files
     common = dict(url=base, api=api, model=model, label=label, dataset=dataset, seed=seed,
                   concurrency=concurrency, num_prompts=num_prompts, input_len=input_len,
                   output_len=output_len, warmup=warmup, timeout_s=timeout, request_rate=rate,
@@ -629,10 +639,8 @@ def run(url: str, api: str, concurrency: list[int], num_prompts: int | None, inp
                 note_plain()
                 if not any(o.ok for o in outs):
                     raise UserError(f"all {warmup} warmup request(s) to {base} failed: {outs[0].error}")
-            with ResultWriter(out, "baseline_requests", run_metadata("baseline_requests", **common),
-                              name=f"baseline_requests_{stamp}") as req_w, \
-                 ResultWriter(out, "baseline", run_metadata("baseline", **common),
-                              name=f"baseline_{stamp}") as sum_w, \
+            with ResultWriter(**_where(out, "baseline_requests", stamp), meta=run_metadata("baseline_requests", **common)) as req_w, \
+                 ResultWriter(**_where(out, "baseline", stamp), meta=run_metadata("baseline", **common)) as sum_w, \
                  open(req_w.out / f"{req_w.name}.jsonl", "w") as jsonl, \
                  Progress(console=console, transient=True) as bar:
                 sum_w.meta["requests_csv"] = req_w.path.name
@@ -706,7 +714,7 @@ def print_summary(rows: list[dict], console=None) -> None:
 def import_bench_serving(path: Path, out: Path, label: str | None = None) -> tuple[Path, Path | None]:
     """bench_serving `--output-file` JSONL (one result per line) -> summary CSV (+ per-request
     CSV when the lines carry `--output-details` lists). Returns (summary, requests or None)."""
-    from ddbench.results import ResultWriter, run_metadata, timestamp
+    from ddbench.results import ResultWriter, run_metadata
 
     path = Path(path)
     if not path.is_file():
@@ -718,15 +726,13 @@ def import_bench_serving(path: Path, out: Path, label: str | None = None) -> tup
         results.append(d)
     if not results:
         raise UserError(f"{path}: no results")
-    stamp = timestamp()
+    stamp = dt.datetime.now(dt.timezone.utc)   # one stamp for the run's files
     meta = dict(source="import", imported_from=str(path), label=label,
                 note="bench_serving fields mapped to ddbench columns; per-request latency is "
                      "reconstructed as ttft + sum(itl) (bench_serving does not store it)")
     detailed = any("ttfts" in d for d in results)
-    req_w = (ResultWriter(out, "baseline_requests", run_metadata("baseline_requests", **meta),
-                          name=f"baseline_requests_import_{stamp}") if detailed else None)
-    with ResultWriter(out, "baseline", run_metadata("baseline", **meta),
-                      name=f"baseline_import_{stamp}") as sum_w, (req_w or contextlib.nullcontext()):
+    req_w = (ResultWriter(**_where(out, "baseline_requests", stamp, "import"), meta=run_metadata("baseline_requests", **meta)) if detailed else None)
+    with ResultWriter(**_where(out, "baseline", stamp, "import"), meta=run_metadata("baseline", **meta)) as sum_w, (req_w or contextlib.nullcontext()):
         for no, d in enumerate(results, 1):
             row = _import_row(d, label or f"bench_serving {d.get('backend', '')}".strip(), no, path)
             sum_w.write(row)

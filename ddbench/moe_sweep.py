@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ddbench import UserError
-from ddbench.results import timestamp
+from ddbench.results import run_location
 from ddbench.timing import pick_device
 
 BACKENDS = ("torch", "triton")
@@ -263,7 +263,8 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
                                                     f" moe_marlin.TILES) for T >= {MARLIN_MIN_TOKENS} where it fits"
                                                     " (bf16, sm_90+), else the Triton default table"
                                                     " (kernels.moe_triton.TILE_TABLE)"))
-    name = name or f"moe_sweep_tp{cfg.tp}_{timestamp()}"
+    if not name:
+        out, name = run_location(out, "moe_sweep", tag=f"tp{cfg.tp}")
     n_sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 132
     rows = []
     with ResultWriter(out, "moe_sweep", meta, name=name) as writer, Progress(console=console) as progress:

@@ -198,6 +198,24 @@ def stop_on_signals(include_sigint: bool = False) -> None:
         signal.signal(s, _stop_on_signal)
 
 
+def run_location(out, kind: str, tag: str | None = None, gpu: str | None = None,
+                 when: dt.datetime | None = None) -> tuple[Path, str]:
+    """Where a new run of `kind` goes when the user names none: (out/<gpu>/<command>, <UTC
+    stamp>[_tag]) (`ddbench.runs.run_path`); a secondary kind of a command (the baseline's
+    requests) is tagged with its own last word. `gpu` defaults to this machine's first GPU."""
+    from ddbench.runs import KIND_COMMAND, MAIN_KIND, run_path
+
+    command = KIND_COMMAND[kind]
+    if MAIN_KIND[command] != kind:
+        tag = "_".join(t for t in (tag, kind.split("_")[-1]) if t)
+    if gpu is None:
+        from ddbench.telemetry import gpu_info
+
+        gpu = gpu_info().get("gpu_name")
+    loc = run_path(out, gpu, command, tag, when)
+    return loc.parent, loc.name
+
+
 class ResultWriter:
     """Write rows to `out/name.csv` with sidecar `out/name.json`.
 
@@ -209,7 +227,10 @@ class ResultWriter:
     def __init__(self, out: Path, kind: str, meta: dict | None = None, name: str | None = None,
                  append: bool = False):
         self.kind = kind
-        self.name = name if name is not None else f"{kind}_{timestamp()}"
+        self.meta = meta if meta is not None else run_metadata(kind)
+        if name is None:
+            out, name = run_location(out, kind, gpu=self.meta.get("gpu_name"))
+        self.name = name
         check_name(self.name)
         self.out = ensure_out_dir(out)
         self.path = self.out / f"{self.name}.csv"
@@ -217,7 +238,6 @@ class ResultWriter:
         self.append = append
         if not (append and self.path.exists()):
             _claim(self.out, self.name)
-        self.meta = meta if meta is not None else run_metadata(kind)
         self.rows: list[dict] = []
         self._file = None
         self._writer = None

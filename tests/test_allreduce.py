@@ -27,7 +27,7 @@ FAST = ["--backend", "gloo", "--reps", "2", "--warmup", "1", "--preset", "tiny"]
 
 
 def read_run(out: Path):
-    (side,) = out.glob("allreduce_*.json")
+    (side,) = out.glob("*/allreduce/*.json")
     meta = json.loads(side.read_text())
     path = side.with_suffix(".csv")
     rows = list(csv.DictReader(open(path))) if path.exists() else []

@@ -286,7 +286,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, msg):
     assert p.returncode == 2, p.stderr
     assert msg in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert elapsed < 6  # within the timeout (+ interpreter start)
-    assert not list(tmp_path.glob("*.csv"))
+    assert not list(tmp_path.rglob("*.csv"))
 
 
 def test_failed_warmup_is_a_user_error(tmp_path):
@@ -302,11 +302,11 @@ def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
         p, _ = cli("--url", s.url + "/generate", "-c", "1,2", "--num-prompts", "3", "--input-len", "8",
                    "--output-len", "5", "--label", "local", "--out", str(tmp_path / "a"))
         assert p.returncode == 0, p.stderr
-        [summary] = (tmp_path / "a").glob("baseline_2*.csv")
+        [summary] = (tmp_path / "a").glob("*/baseline/2*[0-9].csv")
         got = rows(summary)
         assert [r["concurrency"] for r in got] == ["1", "2"] and {r["label"] for r in got} == {"local"}
         assert all(r["completed"] == "3" for r in got)
-        [reqs] = (tmp_path / "a").glob("baseline_requests_*.csv")
+        [reqs] = (tmp_path / "a").glob("*/baseline/*_requests.csv")
         assert len(rows(reqs)) == 6
 
         # Ctrl-C mid-run: finished requests stay on disk, the sidecar says incomplete (500 prompts
@@ -323,7 +323,7 @@ def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
         partial = []
         deadline = time.time() + 20
         while time.time() < deadline and proc.poll() is None:
-            partial = list((tmp_path / "b").glob("baseline_requests_*.csv.partial"))
+            partial = list((tmp_path / "b").glob("*/baseline/*_requests.csv.partial"))
             if partial and len(partial[0].read_text().splitlines()) >= 3:
                 break
             time.sleep(0.05)
@@ -335,7 +335,7 @@ def test_cli_end_to_end_and_ctrl_c_keeps_rows(tmp_path):
             _, err = proc.communicate(timeout=30)
             pytest.fail(f"no exit 60 s after Ctrl-C ({len(partial)} partial file(s)); stacks:\n{err[-6000:]}")
     assert proc.returncode == 130, err
-    [reqs] = (tmp_path / "b").glob("baseline_requests_*.csv")
+    [reqs] = (tmp_path / "b").glob("*/baseline/*_requests.csv")
     kept = rows(reqs)
     assert 2 <= len(kept) < 500 and all(r["ok"] == "1" for r in kept)
     meta = json.loads(reqs.with_suffix(".json").read_text())
@@ -522,7 +522,7 @@ def test_all_failed_level_exits_1_with_error_kinds(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert "warning: concurrency 1: 2 of 4 requests failed (2x HTTP 500)" in lines
     assert lines[-1] == "error: concurrency 2: all 4 requests failed (4x connection error)"
-    [summary] = tmp_path.glob("baseline_2*.csv")
+    [summary] = tmp_path.glob("*/baseline/2*[0-9].csv")
     got = rows(summary)
     assert [(r["completed"], r["failed"]) for r in got] == [("2", "2"), ("0", "4")]
 

@@ -306,7 +306,7 @@ def test_decode_cli_writes_tidy_csv_and_plot(tmp_path):
                             "--concurrency", "1,3", "--prompt-len", "3", "--new-tokens", "3",
                             "--allreduce-model", "lat_us=10,busbw_gbps=100", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
-    df = pd.read_csv(next(tmp_path.glob("decode_*.csv")))
+    df = pd.read_csv(next(tmp_path.glob("*/decode/*.csv")))
     assert list(df.concurrency) == [1, 3] and (df["mode"] == "simulated").all()
     for col in ("output_tok_per_s", "step_us", "attention_us", "moe_us", "mlp_us", "comm_us", "lm_head_us",
                 "weight_bytes", "kv_bytes"):
@@ -398,7 +398,7 @@ def test_gpu_simulated_rank_decode_cli(tmp_path):
     r = runner.invoke(app, ["decode", "--preset", "tiny", "--tp", "2", "--simulate-rank", "0",
                             "--concurrency", "1,4", "--prompt-len", "8", "--new-tokens", "8", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
-    df = pd.read_csv(next(tmp_path.glob("decode_*.csv")))
+    df = pd.read_csv(next(tmp_path.glob("*/decode/*.csv")))
     assert df.cuda_graph.all() and (df.phase_method == "graph").all() and (df.floor_us > 0).all()
 
 

@@ -13,7 +13,7 @@ FAST = ["--reps", "1", "--warmup", "0"]
 
 
 def only_csv(path):
-    (csv,) = [p for p in path.glob("*.csv")]
+    (csv,) = [p for p in path.rglob("*.csv")]
     return csv, json.loads(csv.with_suffix(".json").read_text())
 
 
@@ -23,7 +23,7 @@ def test_cpu_default_runs_tiny_torch(tmp_path):
     assert r.exit_code == 0, r.output
     assert "tiny preset on the CPU" in r.output
     csv, meta = only_csv(tmp_path)
-    assert csv.name.startswith("moe_sweep_tp8_") and meta["completed"] and meta["preset"] == "tiny"
+    assert csv.name.endswith("_tp8.csv") and csv.parent.name == "moe-sweep" and meta["completed"] and meta["preset"] == "tiny"
     df = pd.read_csv(csv)
     for col in ("backend", "stage", "tp", "tokens", "routing", "experts_touched", "bytes_moved", "flops",
                 "time_us", "time_us_p20", "time_us_p80", "achieved_gbps", "pct_of_copy_bw", "tflops",
@@ -77,7 +77,7 @@ def test_bad_input_one_line_exit_2(tmp_path, args, message):
     r = runner.invoke(app, ["moe-sweep", "--device", "cpu", "--out", str(tmp_path / "o"), *FAST, *args])
     assert r.exit_code == 2, r.output
     assert message in r.output and len(r.output.strip().splitlines()) == 1
-    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("*.csv"))
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").rglob("*.csv"))
 
 
 def test_tiles_file_and_report_plots(tmp_path):

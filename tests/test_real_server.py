@@ -233,7 +233,7 @@ def test_timings_match_an_independent_relay(server, tmp_path):
     finally:
         proxy.close()
     assert p.returncode == 0, p.stderr
-    [requests] = tmp_path.glob("baseline_requests_*.csv")
+    [requests] = tmp_path.glob("*/baseline/*_requests.csv")
     got = sorted(rows(requests), key=lambda r: int(r["index"]))
     seen = proxy.streams()
     assert len(seen) == 1 + len(got)  # the warmup, then the level
@@ -261,7 +261,7 @@ def test_server_killed_mid_run(model_dir, tmp_path):
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and p.poll() is None:
-            found = list((tmp_path / "out").glob("baseline_requests_*.jsonl"))
+            found = list((tmp_path / "out").glob("*/baseline/*_requests.jsonl"))
             if found and len(found[0].read_text().splitlines()) >= 2:
                 jsonl = found[0]
                 break
@@ -274,7 +274,7 @@ def test_server_killed_mid_run(model_dir, tmp_path):
     lines = err.strip().splitlines()
     assert lines[-1] == "error: concurrency 2: all 5 requests failed (5x connection error)", err
     assert any(x.startswith("warning: concurrency 1: ") and "connection error" in x for x in lines), err
-    [summary] = (tmp_path / "out").glob("baseline_2*.csv")
+    [summary] = (tmp_path / "out").glob("*/baseline/2*[0-9].csv")
     first, second = rows(summary)
     assert int(first["completed"]) >= 2 and int(first["failed"]) >= 1
     assert int(first["completed"]) + int(first["failed"]) == 5 and second["completed"] == "0"

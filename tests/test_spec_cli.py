@@ -26,7 +26,7 @@ def e2e_run(tmp_path_factory):
                                  "--prompt-len", "5,9", "--new-tokens", "5", "--save-profile", str(out / "p.json"),
                                  "--baseline", str(base), "--out", str(out)])
     assert r.exit_code == 0, r.output
-    csv = next(out.glob("e2e_*.csv"))
+    csv = next(out.glob("*/e2e/*.csv"))
     return out, csv, r.output
 
 
@@ -71,7 +71,7 @@ def test_e2e_budget_auto(tmp_path):
                                  "--acceptance", "rank:dflash-k25-mtbench-paper", "--prompt-len", "4",
                                  "--new-tokens", "4", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
-    df = pd.read_csv(next(tmp_path.glob("e2e_*.csv")))
+    df = pd.read_csv(next(tmp_path.glob("*/e2e/*.csv")))
     assert len(df) == 1 + 2 + 1 and "budget auto: c=1" in r.output
     auto = df[df.budget_auto == True]  # noqa: E712
     assert len(auto) == 1 and int(auto.budget.iloc[0]) in range(2, 5) and auto.predicted_tok_per_s.iloc[0] > 0
@@ -96,7 +96,7 @@ def test_e2e_layout_default_and_fit_check(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "free_bytes", lambda device: 1000)
     r = CliRunner().invoke(app, ["e2e", "--preset", "tiny", "--tp", "1", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "try --tp 8 --simulate-rank 0" in r.output
-    assert not list(tmp_path.glob("*.csv"))
+    assert not list(tmp_path.rglob("*.csv"))
 
 
 def test_mismatches_split_ties():
@@ -118,7 +118,7 @@ def test_e2e_cpu_defaults_are_short(tmp_path):
     r = CliRunner().invoke(app, ["e2e", "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert time.perf_counter() - t0 < 120 and "CPU TOY RUN" in r.output and "SGLang" not in r.output
-    df = pd.read_csv(next(tmp_path.glob("e2e_*.csv")))
+    df = pd.read_csv(next(tmp_path.glob("*/e2e/*.csv")))
     assert set(df.preset) == {"tiny"} and set(df.concurrency) == {1, 2}
 
 
@@ -139,7 +139,7 @@ def test_e2e_tensor_parallel_gloo(tmp_path):
                                  "--acceptance", "real", "--prompt-len", "5", "--new-tokens", "6",
                                  "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
-    df = pd.read_csv(next(tmp_path.glob("e2e_*.csv")))
+    df = pd.read_csv(next(tmp_path.glob("*/e2e/*.csv")))
     assert list(df["mode"]) == ["distributed"] * 2 and list(df.comm_source) == ["measured in verify"] * 2
     assert bool(df[df.decoder == "ddtree"].matches_ar.iloc[0])
 
@@ -160,9 +160,9 @@ def test_e2e_keeps_going_after_a_failing_budget(tmp_path, monkeypatch):
                                  "--out", str(tmp_path)])
     assert r.exit_code == 1
     assert "FAILED c=1 budget=5 synthetic:2: RuntimeError: injected failure" in r.output
-    df = pd.read_csv(next(tmp_path.glob("e2e_*.csv")))
+    df = pd.read_csv(next(tmp_path.glob("*/e2e/*.csv")))
     assert list(df.budget) == [0, 3]
-    meta = json.loads(next(tmp_path.glob("e2e_*.json")).read_text())
+    meta = json.loads(next(tmp_path.glob("*/e2e/*.json")).read_text())
     assert len(meta["errors"]) == 1
 
 
