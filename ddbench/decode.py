@@ -206,18 +206,12 @@ def run(*, preset: str | None, tp: int, simulate_rank: int | None, gpus: int | N
 
 
 def print_table(console, rows: list[dict]) -> None:
-    from rich.table import Table
+    """The rows fitted to the terminal (key columns always; every column is in the CSV)."""
+    from ddbench.table import print_table as fit
 
-    t = Table(title="ddbench decode (step = measured; total = step + modelled comm when simulated)")
-    for col in ("c", "graph", "step us", "comm us", "total us", "tok/s", "attn", "moe", "mlp", "lm_head",
-                "other", "floor us", "x floor"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(str(r["concurrency"]), "y" if r["cuda_graph"] else "n", f"{r['step_us']:.0f}",
-                  f"{r['comm_us']:.0f}", f"{r['step_total_us']:.0f}", f"{r['output_tok_per_s']:.1f}",
-                  *(f"{r[p + '_us']:.0f}" for p in ("attention", "moe", "mlp", "lm_head", "other")),
-                  "-" if r["floor_us"] is None else f"{r['floor_us']:.0f}",
-                  "-" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}")
-    from rich.console import Console
-
-    Console(width=max(console.width, 150)).print(t)  # all columns, also in a narrow log
+    fit([{"c": r["concurrency"], "tok/s": r["output_tok_per_s"], "step us": r["step_us"],
+          "total us": r["step_total_us"], "x floor": r["floor_ratio"], "comm us": r["comm_us"],
+          **{p: r[p + "_us"] for p in ("attention", "moe", "mlp", "lm_head", "other")},
+          "floor us": r["floor_us"], "experts": r.get("experts_measured"), "graph": r["cuda_graph"]}
+         for r in rows], key=("c", "tok/s", "step us", "total us", "x floor"), console=console,
+        title="ddbench decode (step = measured; total = step + modelled comm when simulated)")

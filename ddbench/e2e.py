@@ -368,40 +368,32 @@ def baseline_rows(paths=(Path("results/baseline"),)) -> list[dict]:
 
 
 def print_table(console, rows: list[dict], baseline: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    if not console.is_terminal:          # logs and pipes: do not squeeze 18 columns into 80
-        console = Console(width=max(console.width, 200))
+    """The run's rows (and the SGLang rows beside them on a GPU) fitted to the terminal: the
+    key columns always show, the phase columns while they fit; every column is in the CSV."""
+    from ddbench.table import print_table as fit
 
     toy = any(str(r.get("device", "")).startswith("cpu") for r in rows)
-    t = Table(title=("CPU TOY RUN (tiny model, host timings: not comparable with GPU numbers) " if toy else "")
-              + "ddbench e2e (us per step; total = step + host (+ modelled comm when simulated: "
-                "projected tok/s); lossless = real acceptance reproduced AR's tokens; experts = measured "
-                "distinct per MoE layer)")
-    cols = ("c", "decoder", "budget", "acceptance", "lossless", "acc len", "graph", "total us", "tok/s", "x AR",
-            "pred", "experts", "draft", "tree", "v-attn", "v-moe", "v-other", "accept", "comm", "host", "x floor")
-    for col in cols:
-        t.add_column(col, justify="right")
     ar = {r["concurrency"]: r["output_tok_per_s"] for r in rows if r["decoder"] == "ar"}
-    f0 = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    out = []
     for c in sorted({r["concurrency"] for r in rows}):
         for r in [r for r in rows if r["concurrency"] == c]:
-            speed = r["output_tok_per_s"] / ar[c] if ar.get(c) else None
             ok = {True: "yes", False: "NO", None: "-"}[r.get("matches_ar")]
             if r.get("matches_ar") is False:
                 ok += f" ({r.get('mismatches_tied')} tie/{r.get('mismatches_real')} real)"
-            b = str(r["budget"] or "-") + (" auto" if r.get("budget_auto") else "")
-            t.add_row(str(c), r["decoder"], b, r["acceptance"], ok, f"{r['mean_accepted']:.2f}",
-                      "y" if r["cuda_graph"] else "n", f0(r["step_total_us"]), f"{r['output_tok_per_s']:.1f}",
-                      "-" if speed is None else f"{speed:.2f}", f0(r.get("predicted_tok_per_s")),
-                      f0(r.get("experts_measured")),
-                      *(f0(r[f"{p}_us"]) for p in PHASE_COLS),
-                      "-" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}")
-        for b in [b for b in baseline if b["concurrency"] == c]:
-            t.add_row(str(c), "baseline", "-", b["label"], "-", "-", "-", "-", f"{b['output_tok_per_s']:.1f}",
-                      *(["-"] * (len(cols) - 9)), style="dim")
-    console.print(t)
+            out.append({"c": c, "decoder": r["decoder"],
+                        "budget": str(r["budget"] or "-") + (" auto" if r.get("budget_auto") else ""),
+                        "acceptance": r["acceptance"], "tok/s": r["output_tok_per_s"],
+                        "x AR": r["output_tok_per_s"] / ar[c] if ar.get(c) else None,
+                        "acc len": r["mean_accepted"], "pred": r.get("predicted_tok_per_s"),
+                        "experts": r.get("experts_measured"), "lossless": ok,
+                        "total us": r["step_total_us"], "x floor": r["floor_ratio"],
+                        **{p: r[f"{p}_us"] for p in PHASE_COLS}, "graph": r["cuda_graph"]})
+        out += [{"c": c, "decoder": "baseline", "acceptance": b["label"], "tok/s": b["output_tok_per_s"]}
+                for b in baseline if b["concurrency"] == c]
+    fit(out, key=("c", "decoder", "budget", "acceptance", "tok/s", "x AR"), console=console,
+        title=("CPU TOY RUN (tiny model, host timings: not comparable with GPU numbers) " if toy else "")
+        + "ddbench e2e: tok/s projected (step + host (+ modelled comm when simulated)); acc len = mean "
+          "accepted; experts = measured distinct per MoE layer; phases in us")
 
 
 GPU_DEFAULTS = dict(concurrency=[1, 10], budgets=[16, 32, 64, 128, 256], new_tokens=64)

@@ -355,11 +355,12 @@ def _row(cfg, backend, stage, routing, t, case, roof, st, copy_gbps, gemm_tf, er
 def _table(console, rows, copy_gbps, gemm_tf) -> None:
     from ddbench.table import print_table
 
-    print_table([{"backend": r["backend"], "routing": r["routing"], "T": r["tokens"], "graph": r["cuda_graph"],
+    print_table([{"backend": r["backend"], "kernel": r["kernel"], "routing": r["routing"], "T": r["tokens"],
+                  "graph": r["cuda_graph"],
                   "experts": r["experts_touched"], "time_us": r["time_us"], "GB/s": r["achieved_gbps"],
                   "%copy": r["pct_of_copy_bw"], "TFLOP/s": r["tflops"], "%gemm": r["pct_of_gemm_peak"],
                   "rel_err": r["rel_err"]} for r in rows if r["stage"] == "layer"],
-                key=("backend", "routing", "T", "time_us", "%copy"), console=console,
+                key=("kernel", "routing", "T", "time_us", "%copy"), console=console,
                 title=f"moe-sweep, whole layer (copy {copy_gbps:.0f} GB/s, GEMM {gemm_tf:.3g} TFLOP/s)")
 
 

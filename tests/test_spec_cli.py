@@ -199,3 +199,18 @@ def test_e2e_budget_auto_interrupted_keeps_grid_rows(tmp_path, monkeypatch):
                              "--out", str(tmp_path), "--name", "stopped"])
     rows = pd.read_csv(tmp_path / "stopped.csv")
     assert set(rows.concurrency) == {1} and {"ar", "ddtree"} <= set(rows.decoder)
+
+
+def test_e2e_table_fits_80_columns(tmp_path):
+    """At 80 columns the key numbers (c, decoder, budget, acceptance, tok/s, x AR) show and no
+    table line is wider than the terminal; the CSV keeps every column."""
+    r = CliRunner().invoke(app, ["e2e", "--preset", "tiny", "--concurrency", "1", "--budget", "4",
+                                 "--acceptance", "synthetic:2", "--prompt-len", "4", "--new-tokens", "4",
+                                 "--out", str(tmp_path), "--name", "w"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    head = next(ln for ln in lines if ln.split()[:2] == ["c", "decoder"])
+    assert all(k in head for k in ("budget", "acceptance", "tok/s", "x AR"))
+    start = lines.index(head)
+    assert all(len(ln) <= 80 for ln in lines[start:start + 4])
+    assert "more columns" in r.output and {"verify_moe_us", "draft_us"} <= set(pd.read_csv(tmp_path / "w.csv"))
