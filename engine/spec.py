@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from ddbench.engine.acceptance import (RankCounter, RankProfile, draw_ranks, expected_curve, load_profile,
-                                       matched_path)
+from ddbench.engine.acceptance import (RankCounter, RankProfile, chain_tokens, draw_ranks, expected_curve, fit_top1,
+                                       load_profile, matched_path)
 from ddbench.engine.config import ConfigError
 from ddbench.engine.phases import PhaseTimer
 from ddbench.kernels import ddtree
@@ -69,7 +69,7 @@ class Acceptance:
         """Expected tokens per step of the rank-0 chain, bonus included (None for 'real')."""
         if self.profile is not None:
             return self.profile.chain_tokens()
-        return None if self.probs is None else expected_tokens(self.probs)
+        return None if self.probs is None else chain_tokens(self.probs)
 
     def tables(self, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tree log-probs `[L, K]` sorted descending, match probabilities `[L, K]`) of a drawn mode."""
@@ -87,24 +87,11 @@ class Acceptance:
         return expected_curve(*self.tables(depth, k), max_budget)
 
 
-def expected_tokens(probs) -> float:
-    """1 + sum_d prod_{j<=d} a_j: mean tokens per step of the per-depth acceptance chain."""
-    total, run = 1.0, 1.0
-    for a in probs:
-        run *= a
-        total += run
-    return total
-
-
 def tau_probs(tau: float, depth: int) -> tuple[float, ...]:
-    """Constant per-depth acceptance a with 1 + a + .. + a^depth = tau (bisection)."""
+    """Constant per-depth acceptance a with 1 + a + .. + a^depth = tau."""
     if not 1.0 <= tau <= depth + 1:
         raise ConfigError(f"synthetic TAU={tau} must be in 1..{depth + 1} (block depth {depth} + bonus)")
-    lo, hi = 0.0, 1.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_tokens([mid] * depth) < tau else (lo, mid)
-    return tuple([(lo + hi) / 2] * depth)
+    return tuple([fit_top1(tau, depth)] * depth)
 
 
 def read_profile(path: Path, depth: int) -> tuple[float, ...]:

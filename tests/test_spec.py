@@ -10,7 +10,8 @@ from ddbench.engine.config import ConfigError, preset
 from ddbench.engine.drafter import Drafter, drafter_config
 from ddbench.engine.model import Transformer
 from ddbench.engine.acceptance import draw_ranks, matched_path
-from ddbench.engine.spec import ARStep, Session, SpecStep, expected_tokens, parse_acceptance, read_profile, tau_probs
+from ddbench.engine.acceptance import chain_tokens as expected_tokens
+from ddbench.engine.spec import ARStep, Session, SpecStep, parse_acceptance, read_profile, tau_probs
 from ddbench.engine.weights import init_random
 from ddbench.kernels import ddtree
 

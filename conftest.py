@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-# as tests/conftest.py: Triton under the interpreter without a GPU, GPU tests skipped there (DESIGN §9)
+# tests/ and experiments/tests/: Triton kernels run under the interpreter on CPU-only
+# machines, and GPU tests are skipped there (DESIGN §9).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
