@@ -433,13 +433,15 @@ def e2e(
     budget: Optional[str] = typer.Option(None, "--budget", help="Tree budgets (nodes per stream and step), with "
                                          "'auto' (alone or in the list): fit the cost model over the budgets "
                                          "(default 8,32,128) and measure the best predicted one (default "
-                                         "16,32,64,128,256 on a GPU, 4,16 on a CPU)."),
-    acceptance: str = typer.Option("real", "--acceptance",
-                                   help="Comma list of: real (true greedy walk, lossless), synthetic:TAU "
+                                         "8,32,128,auto on a GPU, 4,16 on a CPU)."),
+    acceptance: Optional[str] = typer.Option(None, "--acceptance",
+                                   help="Comma list of: real (true greedy walk, lossless; default with "
+                                        "--checkpoint), synthetic:TAU "
                                         "(accepted length drawn with mean TAU, bonus included), "
                                         "profile:FILE (per-depth acceptance probabilities), rank:PROFILE "
                                         "(per-depth drafter-rank probabilities: a shipped name such as "
-                                        "dflash-k25-gsm8k-paper, or a JSON file)."),
+                                        "dflash-k25-gsm8k-paper, or a JSON file). Default with random weights: "
+                                        "rank:dflash-k25-gsm8k-paper,rank:dflash-k25-mtbench-small."),
     routing: Optional[str] = typer.Option(None, "--routing", help="uniform (draws after the router; default with "
                                           "random weights), model (the router's choice; default with "
                                           "--checkpoint) or overlap:F (a tree node keeps each parent expert "
@@ -499,7 +501,7 @@ def e2e(
     check_output(out, name)
     run(preset=preset, tp=tp, simulate_rank=simulate_rank, gpus=gpus,
         concurrency=levels, budgets=budgets, budget_auto=auto, routing=routing, save_profile=save_profile,
-        acceptance=acceptance.split(","), prompt_len=prompt_len, new_tokens=new_tokens, checkpoint=checkpoint,
+        acceptance=acceptance.split(",") if acceptance is not None else None, prompt_len=prompt_len, new_tokens=new_tokens, checkpoint=checkpoint,
         allreduce_model=allreduce_model, moe_backend=moe_backend, attn_backend=attn_backend, graph=graph,
         init=init, topk=topk, seed=seed, out=out, override=override,
         baseline=baseline or Path("results/baseline"), name=name, kernel_choice=choice)

@@ -396,9 +396,22 @@ def print_table(console, rows: list[dict], baseline: list[dict]) -> None:
           "accepted; experts = measured distinct per MoE layer; phases in us")
 
 
-GPU_DEFAULTS = dict(concurrency=[1, 10], budgets=[16, 32, 64, 128, 256], new_tokens=64)
-CPU_DEFAULTS = dict(concurrency=[1, 2], budgets=[4, 16], new_tokens=8)    # the tiny preset: seconds
 AUTO_GRID = [8, 32, 128]      # --budget auto alone: the fit grid
+# no --budget: on a GPU the fit grid and the best predicted budget (auto); on a CPU two budgets
+GPU_DEFAULTS = dict(concurrency=[1, 10], budgets=AUTO_GRID, auto=True, new_tokens=64)
+CPU_DEFAULTS = dict(concurrency=[1, 2], budgets=[4, 16], auto=False, new_tokens=8)    # the tiny preset: seconds
+# no --acceptance with random weights (whose drafter accepts nothing real): two named rank
+# profiles that bracket the published figures (DFlash's drafter for K2.5 on its best task
+# with the DDTree paper's tree gain, on its worst task with a small tree gain); with a
+# checkpoint the true greedy walk
+DEFAULT_ACCEPTANCE = ["rank:dflash-k25-gsm8k-paper", "rank:dflash-k25-mtbench-small"]
+
+
+def default_acceptance(acceptance: list[str] | None, checkpoint) -> list[str]:
+    """`--acceptance` unset: `real` with a checkpoint, else DEFAULT_ACCEPTANCE."""
+    if acceptance is not None:
+        return acceptance
+    return ["real"] if checkpoint is not None else list(DEFAULT_ACCEPTANCE)
 
 
 def parse_budgets(text: str | None) -> tuple[list[int] | None, bool]:
@@ -432,7 +445,7 @@ def resolve_layout(cfg_for, tp: int | None, simulate_rank: int | None, checkpoin
 
 
 def run(*, preset: str | None, tp: int | None, simulate_rank: int | None, gpus: int | None,
-        concurrency: list[int] | None, budgets: list[int] | None, acceptance: list[str], prompt_len: str,
+        concurrency: list[int] | None, budgets: list[int] | None, acceptance: list[str] | None, prompt_len: str,
         new_tokens: int | None, checkpoint: Path | None, allreduce_model: str | None, moe_backend: str,
         attn_backend: str, graph: bool, init: str, topk: int | None, seed: int, out: Path,
         override: list[str] | None, baseline: Path = Path("results/baseline"), name: str | None = None,
@@ -461,6 +474,8 @@ def run(*, preset: str | None, tp: int | None, simulate_rank: int | None, gpus: 
     concurrency = concurrency or defaults["concurrency"]
     if budgets is None:
         budgets = AUTO_GRID if budget_auto else defaults["budgets"]
+        budget_auto = budget_auto or defaults["auto"]
+    acceptance = default_acceptance(acceptance, checkpoint)
     new_tokens = new_tokens if new_tokens is not None else defaults["new_tokens"]
     routing = default_routing(routing, checkpoint)
     parse_routing(routing)

@@ -19,17 +19,19 @@ the graphs stay valid. Where the caller names each token (`Routing.key`: token i
 position, set by the engine's steppers and prefill), the row is a hash of (key, layer):
 the same token at the same position always runs the same experts, so the target stays a
 deterministic function and real acceptance stays lossless against AR; elsewhere the rows
-start at a random offset drawn on the device (`torch.randint`, which a CUDA graph captures
-and refreshes on every replay). overlap's keep/replace draws are random (`torch.rand`). Every call counts the distinct
-experts of the forward into device buffers indexed by tokens per stream (`t`: 1 for a
-decode step, budget + 1 for a verify, the chunk for a prefill); `mean_touched(t)` reads
-them after the run.
+run on from an offset hashed from a device counter that every call advances (fresh on every
+CUDA-graph replay). overlap's keep/replace draws are random (`torch.rand`). Every call counts
+the distinct experts of the forward into device buffers indexed by tokens per stream (`t`: 1
+for a decode step, budget + 1 for a verify, the chunk for a prefill); `mean_touched(t)` reads
+them after the run. Draw and count are one launch on the GPU (`kernels.route_draw`); the
+launch is the hook's whole cost on the step (a real router pays none of it).
 """
 from __future__ import annotations
 
 import torch
 
 from ddbench.engine.config import ConfigError
+from ddbench.kernels import route_draw
 
 POOL_ROWS = 16384          # precomputed uniform top-k rows (>= tokens of one forward)
 MAX_T = 2048               # tokens-per-stream slots of the counters (larger t share the last)
@@ -60,16 +62,19 @@ class Routing:
     """The routing hook of one model (see the module docstring). `tree` (set by the DDTree
     verify before its forward): (parent `[N, T]` long, depth `[N, T]` long, max depth)."""
 
-    def __init__(self, spec: str, n_experts: int, top_k: int, device, seed: int = 0, pool_rows: int = POOL_ROWS):
+    def __init__(self, spec: str, n_experts: int, top_k: int, device, seed: int = 0, pool_rows: int = POOL_ROWS,
+                 pdl_mode: int = 2):
         self.mode, self.overlap = parse_routing(spec)
         self.label = spec.strip()
         self.n_experts, self.top_k = n_experts, top_k
         self.device = torch.device(device)
         self.tree: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.key: torch.Tensor | None = None      # [N, T] long: one key per token of the forward
-        self.seed = seed
-        self.touched = torch.zeros(MAX_T, dtype=torch.float64, device=self.device)   # sum of distinct counts
-        self.calls = torch.zeros(MAX_T, dtype=torch.float64, device=self.device)
+        self.seed, self.pdl_mode = seed, pdl_mode
+        self.touched = torch.zeros(MAX_T, dtype=torch.int64, device=self.device)     # sum of distinct counts
+        self.calls = torch.zeros(MAX_T, dtype=torch.int64, device=self.device)
+        self.state = torch.zeros(1, dtype=torch.int64, device=self.device)           # stream draws' counter
+        self.scratch = torch.zeros(2, dtype=torch.int64, device=self.device)         # counters of uncounted draws
         self.pool = None
         if self.mode != "model":
             g = torch.Generator(device=self.device).manual_seed(seed)
@@ -95,40 +100,28 @@ class Routing:
         """Name the next forward's tokens (`[N, T]` ids and positions) for keyed draws."""
         self.key = tokens.long() * (1 << 24) + positions.long()
 
-    def draw(self, n: int, key: torch.Tensor | None = None, layer: int = 0) -> torch.Tensor:
-        """`n` uniform top-k rows `[n, k]` int32: pool rows hashed from `key` `[n]` and the
-        layer, or consecutive rows from a random offset."""
+    def draw(self, n: int) -> torch.Tensor:
+        """`n` uniform top-k rows `[n, k]` int32 from a random offset (overlap's candidates)."""
         p = self.pool.shape[0]
-        if key is not None:
-            x = key * 1000003 + (layer + 1) * 7919 + self.seed
-            for _ in range(2):                                  # integer mix (wrapping int64)
-                x = (x ^ (x >> 29)) * 0x5851F42D4C957F2D
-            return self.pool[torch.remainder(x ^ (x >> 32), p)]
         off = torch.randint(0, p, (1,), device=self.device)
         return self.pool[(off + torch.arange(n, device=self.device)) % p]
 
     def __call__(self, ids: torch.Tensor, w: torch.Tensor, b: int, t: int, layer: int = 0):
         """The router's (ids `[b*t, k]`, weights) of a forward of b streams x t tokens in MoE
         layer `layer` -> the ids the experts run (the router's weights stay), counted."""
-        if self.mode != "model":
-            key = self.key.reshape(-1) if self.key is not None and tuple(self.key.shape) == (b, t) else None
-            fresh = self.draw(b * t, key, layer)                                     # [b*t, k]
-            tree = self.tree
-            if self.mode == "overlap" and tree is not None and tuple(tree[0].shape) == (b, t):
-                ids = self.overlap_ids(fresh.view(b, t, -1), *tree).view(b * t, -1)
-            else:
-                ids = fresh
-            ids = ids.to(torch.int32)
-        self.count(ids, t)
-        return ids, w
+        key = self.key.reshape(-1) if self.key is not None and tuple(self.key.shape) == (b, t) else None
+        draw = route_draw.KEYED if key is not None else route_draw.STREAM
+        if self.mode == "overlap" and self.tree is not None and tuple(self.tree[0].shape) == (b, t):
+            fresh = self._launch(ids, key, layer, draw, self.scratch[:1], self.scratch[1:])  # uncounted
+            ids = self.overlap_ids(fresh.view(b, t, -1), *self.tree).view(b * t, -1).to(torch.int32)
+            draw = route_draw.COPY
+        elif self.mode == "model":
+            draw = route_draw.COPY
+        return self._launch(ids, key, layer, draw, self.touched, self.calls, min(t, MAX_T - 1)), w
 
-    def count(self, ids: torch.Tensor, t: int) -> None:
-        """Add this forward's distinct experts to the counters (no host sync)."""
-        seen = torch.zeros(self.n_experts, dtype=torch.bool, device=ids.device)
-        seen.index_fill_(0, ids.reshape(-1).long(), True)
-        i = min(t, MAX_T - 1)
-        self.touched[i] += seen.sum()
-        self.calls[i] += 1
+    def _launch(self, ids, key, layer, mode, touched, calls, slot=0):
+        return route_draw.draw_count(ids if self.pool is None else self.pool, ids, key, layer, self.seed, mode,
+                                     self.state, touched, calls, slot, self.n_experts, self.pdl_mode)
 
     def overlap_ids(self, fresh: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
                     max_depth: int) -> torch.Tensor:
@@ -173,6 +166,7 @@ def set_routing(model, routing: Routing | None) -> None:
 
 def install(model, spec: str, seed: int = 0) -> Routing:
     """A `Routing` for `model`'s config and device, installed in its MoE layers."""
-    r = Routing(spec, model.cfg.n_experts, model.cfg.top_k, model.device, seed)
+    r = Routing(spec, model.cfg.n_experts, model.cfg.top_k, model.device, seed,
+                pdl_mode=model.ops.pdl_mode)
     set_routing(model, r)
     return r

@@ -117,3 +117,57 @@ def test_hook_in_the_model_counts_every_moe_layer():
     model(tok, pos, cache, torch.zeros(1, dtype=torch.long), causal_visible(1, n_tok))
     assert float(r.calls[n_tok]) == len(model.moe_blocks())
     assert 1 <= r.mean_touched(n_tok) <= min(cfg.n_experts, n_tok * cfg.top_k)
+
+
+@pytest.mark.parametrize("mode", ["copy", "keyed", "stream"])
+def test_route_draw_reference_counts_like_unique(mode):
+    """kernels.route_draw's reference (the CPU path): keyed rows are the pool rows of the
+    hash, stream rows run on from a hashed offset that advances per call, and the count adds
+    torch.unique's distinct experts."""
+    from ddbench.kernels import route_draw as rd
+
+    g = torch.Generator().manual_seed(5)
+    pool = torch.rand(50, E, generator=g).topk(K, -1).indices.int()
+    ids, _ = router_ids(13, 6)
+    key = torch.randint(0, 1 << 40, (13,), generator=g)
+    state, touched, calls = torch.zeros(1, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    m = {"copy": rd.COPY, "keyed": rd.KEYED, "stream": rd.STREAM}[mode]
+    a = rd.draw_count(pool, ids, key, 3, 7, m, state, touched, calls, 2, E)
+    b = rd.draw_count(pool, ids, key, 3, 7, m, state, touched, calls, 2, E)
+    for out in (a, b):
+        assert out.shape == ids.shape and out.dtype == torch.int32
+    if mode == "copy":
+        assert torch.equal(a, ids)
+    elif mode == "keyed":
+        assert torch.equal(a, pool[rd.mix_ref(key, 3, 7) % 50]) and torch.equal(a, b)
+        assert (rd.mix_ref(key, 3, 7) >= 0).all()
+    else:
+        assert int(state) == 2 and not torch.equal(a, b)
+        off = rd.mix_ref(torch.zeros(1, dtype=torch.long), 3, 7) % 50
+        assert torch.equal(a, pool[(off + torch.arange(13)) % 50])
+    assert int(calls[2]) == 2 and int(touched[2]) == torch.unique(a).numel() + torch.unique(b).numel()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["copy", "keyed", "stream"])
+@pytest.mark.parametrize("n", [1, 9, 90, 1280, 5000])
+def test_route_draw_kernel_matches_reference(mode, n):
+    """The one-launch kernel: the reference's ids, state and counters exactly, at K2.6's
+    E=384, k=8, on fresh random router ids and keys."""
+    from ddbench.kernels import route_draw as rd
+
+    dev, e = "cuda", 384
+    g = torch.Generator(device=dev).manual_seed(n)
+    pool = torch.rand(16384, e, generator=g, device=dev).topk(K, -1).indices.int()
+    ids = torch.rand(n, e, generator=g, device=dev).topk(K, -1).indices.int()
+    key = torch.randint(0, 1 << 40, (n,), generator=g, device=dev)
+    m = {"copy": rd.COPY, "keyed": rd.KEYED, "stream": rd.STREAM}[mode]
+    outs = []
+    for fn in (rd.draw_count, rd.draw_count_ref):
+        state = torch.full((1,), 11, dtype=torch.long, device=dev)
+        touched, calls = torch.zeros(8, dtype=torch.long, device=dev), torch.zeros(8, dtype=torch.long, device=dev)
+        got = [fn(pool, ids, key, 5, 3, m, state, touched, calls, 4, e).clone() for _ in range(2)]
+        outs.append((got, state.clone(), touched.clone(), calls.clone()))
+    (ka, ks, kt, kc), (ra, rs, rt, rc) = outs
+    assert all(torch.equal(x, y) for x, y in zip(ka, ra))
+    assert torch.equal(ks, rs) and torch.equal(kt, rt) and torch.equal(kc, rc)

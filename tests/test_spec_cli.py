@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from ddbench.cli import app
+from ddbench.e2e import DEFAULT_ACCEPTANCE, default_acceptance
 from ddbench.engine.acceptance import load_profile
 from ddbench.engine.config import ConfigError
 
@@ -111,7 +112,8 @@ def test_mismatches_split_ties():
 
 @pytest.mark.slow
 def test_e2e_cpu_defaults_are_short(tmp_path):
-    """`ddbench e2e` with no options on a CPU: the tiny preset, a short run, labelled a toy."""
+    """`ddbench e2e` with no options on a CPU: the tiny preset, a short run, labelled a toy,
+    random weights measured under the two named acceptance profiles (not `real`)."""
     import time
 
     t0 = time.perf_counter()
@@ -120,6 +122,8 @@ def test_e2e_cpu_defaults_are_short(tmp_path):
     assert time.perf_counter() - t0 < 120 and "CPU TOY RUN" in r.output and "SGLang" not in r.output
     df = pd.read_csv(next(tmp_path.glob("*/e2e/*.csv")))
     assert set(df.preset) == {"tiny"} and set(df.concurrency) == {1, 2}
+    assert set(df[df.decoder == "ddtree"].acceptance) == set(DEFAULT_ACCEPTANCE)
+    assert default_acceptance(None, "/ckpt") == ["real"] and default_acceptance(["x"], None) == ["x"]
 
 
 def test_e2e_report_plots(e2e_run):
