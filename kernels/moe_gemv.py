@@ -23,10 +23,10 @@ step (one scale group), columns j = (nb, g, tile).
 Launches (`fused_moe_gemv`): x to fp16; w13 (one program per row block, column tile and K
 split; fp32 partial sums per split); SiLU(gate) * up * top-k weight in fp16; w2 (one row
 per assignment); sum over k and cast. `block_m == 1`: a row block is one assignment, no sorting,
-and (FUSE_ACT) the SiLU launch is folded into w13: the last of an assignment's programs to
+and (`fuse_act`) the SiLU launch is folded into w13: the last of an assignment's programs to
 finish (kernels.ticket) computes that assignment's act row. `block_m > 1`: assignments sorted
 by expert (`moe_align.align_tokens`), so an expert's words are read once for its rows;
-compiled, such blocks run on the tensor cores (`_mma_loop`, USE_MMA): Marlin's layout gives
+compiled, such blocks run on the tensor cores (`_mma_loop`, `mma`): Marlin's layout gives
 lane 4g + t of a warp the B fragments of an mma.m16n8k16 directly, the dequantized words are
 multiplied by up to 16 rows at the cost of one (rows g and g + 8 of each lane; fp32 sums),
 which is where rows share experts (a DDTree verify, `moe_triton.STREAM_TILES`). One row a
@@ -45,16 +45,12 @@ from ddbench.kernels import moe_w2, pdl, ticket
 from ddbench.kernels.moe_align import _block_rows, _scale_col, align_tokens
 
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
-FUSE_ACT = True  # block_m 1: SiLU(gate) * up * weight in w13's last program per assignment (read at each call)
 ACT_BLOCK = 512  # act columns per step of that program's loop over I
 # w13's K splits aim at this many programs per SM (`gemv_splits`), at most MAX_SPLITS: 4 took
 # 0.9 ms off the c=10 decode step on the H200 against 2 (8: the same; c=1 is at the cap either
 # way; results/h200/decode/decode_trials_*)
 SPLIT_PROGRAMS_PER_SM = 4
 MAX_SPLITS = 16
-# compiled, sorted row blocks (block_m > 1): the words go through the tensor cores (`_mma_loop`;
-# False: the packed fp16 loop, as block_m 1 always; read at each call)
-USE_MMA = True
 
 
 def _dequant_asm(word: str, pairs: tuple[str, str, str, str]) -> str:
@@ -447,7 +443,7 @@ def gemv(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group: int, ids
     else:
         act = tw = count = out
         act_block, sp = 1, 1
-    mma = USE_MMA and _ptx(a) and cfg.block_m > 1
+    mma = cfg.mma and _ptx(a) and cfg.block_m > 1
     _gemv_kernel[(blocks, n // bn, split)](
         a.view(torch.int32), w, scales, ids, *route, out, act, tw, count,
         a.stride(0) // 2, w.stride(0), w.stride(1), scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
@@ -472,14 +468,14 @@ def gemv_w13(x: torch.Tensor, topk_ids: torch.Tensor, routing, w, cfg, n_sms: in
              x_half: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
     """x to fp16 (unless x_half = `half_rows(x)` is given), then w13: -> fp32 gate|up
     partial sums `[S, T*k, 2I]` (S K splits). With topk_weights, where the act can be fused
-    (FUSE_ACT, routing None, T*k <= ticket.MAX_COUNTERS): w2's input SiLU(gate)*up*weight,
+    (cfg.fuse_act, routing None, T*k <= ticket.MAX_COUNTERS): w2's input SiLU(gate)*up*weight,
     fp16 `[T*k, I]`, from the same launch. `gemv_w2` takes either."""
     t, k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32)
     blocks = t * k if routing is None else routing[1].numel()
     split = cfg.split_k or gemv_splits(blocks, 2 * w.inter // cfg.block_n13, w.hidden // STEP, n_sms)
     a = half_rows(x) if x_half is None else x_half
-    fuse = topk_weights is not None and FUSE_ACT and routing is None and t * k <= ticket.MAX_COUNTERS
+    fuse = topk_weights is not None and cfg.fuse_act and routing is None and t * k <= ticket.MAX_COUNTERS
     return gemv(a, w.w13, w.w13_scale, w.group_size, ids, routing, t * k, k, cfg,
                 cfg.block_n13, split, _flat_weights(topk_weights) if fuse else None)
 
@@ -493,7 +489,7 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     h = w.hidden
     ids = topk_ids.reshape(-1).to(torch.int32)
     act = mid if mid.dim() == 2 else half_rows(mid, _flat_weights(topk_weights), mid.shape[0])   # [T*k, I]
-    if routing is None and moe_w2.fits(act, w):   # a decode token: its weights loaded before the PDL wait
+    if routing is None and cfg.w2_cuda and moe_w2.fits(act, w):   # a decode token: its weights loaded before the PDL wait
         y = moe_w2.moe_w2(act, ids, w, pdl=pdl.on(act) > 0)[None]                                # [1, T*k, H]
     else:
         y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
@@ -513,7 +509,7 @@ def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     sum_k False: the k weighted rows per token, fp32 `[T*k, H]`, for the caller to sum.
 
     cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting, act fused into w13
-    when FUSE_ACT), block_n13, block_n2 (multiples of 64), split_k (0: `gemv_splits`),
+    when cfg.fuse_act; the other gemv options: mma, w2_cuda), block_n13, block_n2 (multiples of 64), split_k (0: `gemv_splits`),
     num_warps, num_stages.
     """
     routing = gemv_routing(topk_ids, w, cfg)

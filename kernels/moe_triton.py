@@ -74,6 +74,10 @@ class MoeTritonConfig:
     split_k: int = 1        # K splits of w13 (fp32 atomics + SiLU in w2's load when > 1)
     atomic_out: bool = False  # w2 adds into an fp32 [T, H] instead of writing [T*k, H] + sum
     gemv: bool = False      # CUDA-core kernels (kernels.moe_gemv): block_m 1-16, block_n multiples of 64
+    # the gemv path's options (each measured faster on the H200: docs/notes/moe.md)
+    fuse_act: bool = True   # block_m 1: SiLU(gate) * up * weight in w13's last program per assignment
+    mma: bool = True        # sorted row blocks (block_m > 1) through the tensor cores (else packed fp16)
+    w2_cuda: bool = True    # a decode token's w2 on kernels.moe_w2 (weights loaded before the PDL wait)
     num_warps: int = 4
     num_stages: int = 3
 

@@ -9,19 +9,17 @@ Triton GEMV, which holds no shared memory across the wait, loads them after it. 
 that GEMV (packed fp16 products of a word, fp32 scales and sums); per-assignment fp32 rows out.
 
 `fits` says whether a call qualifies (CUDA, Hopper, at most 8 assignments, an intermediate
-size of at most `MAX_INTER`); `ENABLED` (environment `DDBENCH_MOE_W2=0` turns it off) is read
-at each call.
+size of at most `MAX_INTER`); the gemv config's `w2_cuda` (kernels.moe_triton.MoeTritonConfig)
+chooses it.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from ddbench.kernels import marlin, pdl
 
-ENABLED = os.environ.get("DDBENCH_MOE_W2", "1") != "0"
 THREADS = 256
 MAX_ASSIGN = THREADS // 32      # one warp an assignment (kernels/moe_w2.cu)
 MAX_INTER = 256                 # I: the words of 8 experts' 64 columns, 64 KB at 256, fit shared memory
@@ -31,7 +29,7 @@ def fits(act: torch.Tensor, w) -> bool:
     """act fp16 `[n, I]` on a Hopper GPU with n <= MAX_ASSIGN, w (`MarlinMoE`) of I <= MAX_INTER,
     at least two scale groups (one group is Marlin's per-channel scale order, which the kernel
     does not read) and 64 | H: what `moe_w2` takes."""
-    return (ENABLED and act.is_cuda and act.dtype == torch.float16 and act.dim() == 2
+    return (act.is_cuda and act.dtype == torch.float16 and act.dim() == 2
             and act.shape[0] <= MAX_ASSIGN and act.shape[1] == w.inter <= MAX_INTER and w.inter % 32 == 0
             and w.group_size % 32 == 0 and w.inter // w.group_size >= 2 and w.hidden % 64 == 0 and act.is_contiguous()
             and pdl.hopper(act))

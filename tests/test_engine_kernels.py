@@ -154,9 +154,11 @@ def test_model_fused_skinny_path_equals_unfused(monkeypatch, max_rows, fuse):
     torch.testing.assert_close(c1.kpe, c0.kpe)
     cfg = ref.cfg
     n_moe = cfg.n_layers - cfg.n_dense_layers
-    # counts over both models; the reference (torch ops) casts x and (unless moe_gemv.FUSE_ACT
-    # folds it into w13) the w2 input per MoE layer
-    act = 0 if getattr(moe_gemv, "FUSE_ACT", False) else 1
+    # counts over both models; the reference (torch ops) casts x and (unless the gemv config's
+    # fuse_act folds it into w13) the w2 input per MoE layer
+    from ddbench.kernels.moe_triton import MoeTritonConfig
+
+    act = 0 if MoeTritonConfig().fuse_act else 1
     if max_rows:  # 2 norms per block fused (the final norm stays); the MoE converts only its w2 input
         want = {"norm_linear": 2 * cfg.n_layers, "half_rows": n_moe + 2 * act * n_moe, "rms_norm": 1, "silu_mul": 0,
                 "rope_": 0, "sum_k": n_moe,

@@ -1,4 +1,6 @@
 """Triton INT4 MoE (kernels.moe_triton) against the torch reference, under the interpreter on CPU."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -129,15 +131,14 @@ def test_gemv_fused_act_equals_unfused(monkeypatch, tp, tokens, bn13, split, act
     x = torch.randn(tokens, cfg.hidden, device=DEV).to(dtype)
     ids, tw = synthetic_routing("skewed", tokens, cfg.n_experts, cfg.top_k, device=DEV, seed=seed)
     mcfg = MoeTritonConfig(gemv=True, block_m=1, block_n13=bn13, block_n2=64, split_k=split)
-    monkeypatch.setattr(mg, "FUSE_ACT", True)
     act = mg.gemv_w13(x, ids, None, w, mcfg, topk_weights=tw)
     fused = mg.fused_moe_gemv(x, ids, tw, w, mcfg)
     assert _counters_zero(x)
-    monkeypatch.setattr(mg, "FUSE_ACT", False)
-    part = mg.gemv_w13(x, ids, None, w, mcfg, topk_weights=tw)
+    unfused_cfg = dataclasses.replace(mcfg, fuse_act=False)
+    part = mg.gemv_w13(x, ids, None, w, unfused_cfg, topk_weights=tw)
     assert part.dim() == 3 and act.shape == (tokens * cfg.top_k, cfg.moe_inter_local)
     assert torch.equal(act, mg.half_rows(part, tw.reshape(-1).float(), part.shape[0]))
-    unfused = mg.fused_moe_gemv(x, ids, tw, w, mcfg)
+    unfused = mg.fused_moe_gemv(x, ids, tw, w, unfused_cfg)
     assert torch.equal(fused, unfused)
     assert rel_err(fused, fused_moe_ref(x.float(), ids, tw, w)) < 2e-3   # fp16 activations, whatever x's dtype
 
@@ -271,7 +272,7 @@ def test_triton_cuda_graph_capture():
 
 
 @pytest.mark.gpu
-def test_gemv_fused_act_bf16_k26_graph(monkeypatch):
+def test_gemv_fused_act_bf16_k26_graph():
     """K2.6 TP-8 shapes, bf16, block_m 1 (T = 1, 16): w13 with the act fused gives the bits of
     the unfused launches, eagerly and in a CUDA graph replayed 3 times on new inputs; the
     ticket counters are zero after each."""
@@ -286,8 +287,7 @@ def test_gemv_fused_act_bf16_k26_graph(monkeypatch):
         ids, tw = synthetic_routing("uniform", tokens, 32, cfg.top_k, device="cuda", seed=tokens)
 
         def run(fuse):
-            monkeypatch.setattr(mg, "FUSE_ACT", fuse)
-            return mg.fused_moe_gemv(x, ids, tw, w, mcfg, sm_count(x.device))
+            return mg.fused_moe_gemv(x, ids, tw, w, dataclasses.replace(mcfg, fuse_act=fuse), sm_count(x.device))
 
         want = run(False)
         assert rel_err(want, fused_moe_ref(x.float(), ids, tw, w)) < 1e-2
@@ -322,7 +322,7 @@ def test_gemv_fused_act_bf16_k26_graph(monkeypatch):
     ("k2.6", 8, 60, 8, 256),
     ("k2.6", 8, 60, 16, 128),     # rows g + 8 of each lane too
 ])
-def test_gemv_tensor_cores_match_reference(monkeypatch, name, tp, tokens, bm, bn):
+def test_gemv_tensor_cores_match_reference(name, tp, tokens, bm, bn):
     """The gemv's tensor-core loop (kernels.moe_gemv `_mma_loop`, sorted row blocks) against
     the reference and against its packed fp16 loop, 2-16 rows a block, 1-4 warps (BN 64-256),
     grouped and per-channel scales."""
@@ -337,6 +337,5 @@ def test_gemv_tensor_cores_match_reference(monkeypatch, name, tp, tokens, bm, bn
     mcfg = MoeTritonConfig(gemv=True, block_m=bm, block_n13=bn, block_n2=bn, split_k=0)
     ref = fused_moe_ref(x.float(), ids, tw, w)
     y = fused_moe_triton(x, ids, tw, w, mcfg)
-    monkeypatch.setattr(mg, "USE_MMA", False)
-    y_cores = fused_moe_triton(x, ids, tw, w, mcfg)
+    y_cores = fused_moe_triton(x, ids, tw, w, dataclasses.replace(mcfg, mma=False))
     assert rel_err(y, ref) < 2e-3 and rel_err(y_cores, ref) < 2e-3
