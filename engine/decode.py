@@ -1,10 +1,17 @@
 """Greedy autoregressive decoding of N streams with a CUDA-graph decode step.
 
+`decode_forward` is the one autoregressive (AR) decode step of the engine: one target
+forward of one token per stream at the position after its cached prefix, and the greedy
+pick. Both commands run it: `Decoder` here (`ddbench decode`) and `engine.spec.ARStep`
+(the AR rows of `ddbench e2e`, over a `Session`'s buffers; it also names the tokens to the
+routing hook and records exact top-2 ties).
+
 `Decoder` owns the static state of a batch: the KV cache, `prefix_len` (tokens cached per
 stream), the current token of each stream and the decode-step visibility mask. `prefill`
 runs each prompt as one causal forward; `step` decodes one token per stream from those
-static buffers without host syncs, so on a GPU it is captured once in a CUDA graph and
-replayed. The generated tokens are identical with and without the graph.
+static buffers without host syncs (`decode_forward`, then the token and `prefix_len`
+advance), so on a GPU it is captured once in a CUDA graph and replayed. The generated
+tokens are identical with and without the graph.
 
 How a step is timed (`measure_decode`):
 
@@ -38,7 +45,26 @@ from ddbench.engine.model import Transformer, causal_visible
 from ddbench.engine.phases import PhaseTimer
 
 PHASES = ("attention", "moe", "mlp", "comm", "lm_head", "other")
-HEAD_START_CYCLES = 200_000_000   # ~0.1 s of GPU spin before the phase-timed eager step
+HEAD_START_CYCLES = 200_000_000   # ~0.1 s of GPU spin before an eager phase-timed step or verify
+
+
+def decode_forward(model: Transformer, tok: torch.Tensor, prefix_len: torch.Tensor, cache, visible: torch.Tensor,
+                   routing=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The AR decode step's work on the target (capturable: no host syncs): token `tok[b]`
+    (long `[B, 1]`) of every stream at position `prefix_len[b]` (int `[B]`, tokens cached
+    before it; its KV is written there), seeing its cached prefix and itself (`visible`
+    bool `[B, 1, 1]`, all True) -> (logits fp32 `[B, 1, vocab]`, greedy next token long
+    `[B, 1]`). The caller advances its own state. `routing` (an `engine.routing.Routing`):
+    the forward's tokens are named to it (keyed draws) and the key cleared after, as
+    `ARStep` does; None leaves the model's hook as it is (`Decoder`: unkeyed draws)."""
+    b = tok.shape[0]
+    pos = prefix_len.long().view(b, 1)                                          # [B, 1] rope positions
+    if routing is not None:
+        routing.set_key(tok, pos)
+    logits, _ = model(tok, pos, cache, prefix_len, visible)                     # [B, 1, V]
+    if routing is not None:
+        routing.key = None
+    return logits, logits.argmax(-1)
 
 
 class Decoder:
@@ -72,10 +98,8 @@ class Decoder:
 
     def _step(self) -> None:
         """One decode step from the static buffers (capturable: no host syncs)."""
-        b = self.n_streams
-        logits, _ = self.model(self.tok, self.prefix_len.long().view(b, 1), self.cache, self.prefix_len,
-                               self.visible)                                     # [B, 1, V]
-        self.tok.copy_(logits.argmax(-1))                                        # [B, 1]
+        _, nxt = decode_forward(self.model, self.tok, self.prefix_len, self.cache, self.visible)
+        self.tok.copy_(nxt)                                                      # [B, 1]
         self.prefix_len.add_(1)
 
     def _save(self):

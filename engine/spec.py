@@ -14,7 +14,8 @@ One step, for every stream at once and without host syncs:
 Each phase is captured as its own CUDA graph per (concurrency, budget), so a step is five
 graph replays with timing events between them and the phase times are measured, not
 estimated. `ARStep` is plain greedy decoding over the same session, for the speed-up in
-the same run and as the lossless reference.
+the same run and as the lossless reference: its verify phase is the AR decode step of
+`engine.decode` (`decode_forward`), the one `ddbench decode` times.
 
 Acceptance modes (`parse_acceptance`): `real` is the true greedy walk (lossless: the
 output equals greedy decoding of the target). Random weights make a real drafter miss, so
@@ -47,11 +48,11 @@ import torch
 from ddbench.engine.acceptance import (RankCounter, RankProfile, chain_tokens, draw_ranks, expected_curve, fit_top1,
                                        load_profile, matched_path)
 from ddbench.engine.config import ConfigError
+from ddbench.engine.decode import HEAD_START_CYCLES, decode_forward
 from ddbench.engine.phases import PhaseTimer
 from ddbench.kernels import ddtree
 
 PHASES = ("draft", "tree", "verify", "accept", "context")
-HEAD_START_CYCLES = 200_000_000   # ~0.1 s of GPU spin before the phase-timed eager verify
 
 
 # --- acceptance modes ---------------------------------------------------------------
@@ -494,7 +495,10 @@ def top2_tied(logits: torch.Tensor) -> torch.Tensor:
 
 
 class ARStep(_Stepper):
-    """Greedy autoregressive decoding: one target forward of one token per stream."""
+    """Greedy autoregressive decoding over the session: the engine's one AR decode step
+    (`engine.decode.decode_forward`, the step `ddbench decode` times) as the verify phase,
+    keyed for the routing hook and with its exact top-2 ties recorded; accept advances the
+    streams that are not done and appends the token to their outputs."""
     phases = ("verify", "accept")
 
     def __init__(self, sess: Session):
@@ -505,12 +509,8 @@ class ARStep(_Stepper):
 
     def _verify(self):
         s = self.sess
-        if s.routing is not None:
-            s.routing.set_key(s.bonus.view(-1, 1), s.prefix_len.view(-1, 1))
-        logits, _ = s.model(s.bonus.view(-1, 1), s.prefix_len.view(-1, 1), s.cache, s.prefix_len, self.vis)
-        if s.routing is not None:
-            s.routing.key = None
-        self.next = logits[:, 0].argmax(-1)
+        logits, nxt = decode_forward(s.model, s.bonus.view(-1, 1), s.prefix_len, s.cache, self.vis, s.routing)
+        self.next = nxt[:, 0]                                                 # [N]
         self.tie = top2_tied(logits[:, 0])
 
     def _accept(self):

@@ -138,6 +138,42 @@ def test_finished_streams_stand_still(models, reference):
     assert s.outputs() == ref
 
 
+def test_ar_rows_run_the_decode_step(models, monkeypatch):
+    """e2e's AR rows (ARStep over a Session) and `ddbench decode` (Decoder) run one AR step,
+    engine.decode.decode_forward: the same greedy tokens from the same prompts. ARStep names
+    each forward's tokens to the routing hook (keyed draws) and clears the key after; the
+    Decoder leaves the hook unkeyed, as before."""
+    from ddbench.engine import decode, spec
+    from ddbench.engine.routing import install, set_routing
+
+    cfg, target, _ = models
+    prompts = prompts_for(cfg, [6, 6, 6], seed=5)
+    want = decode.Decoder(target, 3, 6 + NEW).generate(torch.tensor(prompts), NEW)
+    calls = []
+    monkeypatch.setattr(spec, "decode_forward", lambda *a: calls.append(a) or decode.decode_forward(*a))
+    assert greedy(target, prompts, [NEW] * 3) == want.tolist()
+    assert len(calls) >= NEW - 1 and all(a[-1] is None for a in calls)      # no routing installed
+
+    r = install(target, "uniform", 0)
+    seen = []
+    forward = target.forward
+    target.forward = lambda tok, pos, *a: seen.append((r.key, tok.clone(), pos.clone())) or forward(tok, pos, *a)
+    try:
+        s = Session(target, None, 3, max_prompt=6, max_new=4)
+        s.routing = r
+        s.prefill(prompts, 4)
+        ARStep(s).run()
+        assert r.key is None and seen and seen[0][1].shape[1] == 6            # prefill, then the steps
+        for key, tok, pos in seen:
+            assert key is not None and torch.equal(key, tok * (1 << 24) + pos)
+        seen.clear()
+        decode.Decoder(target, 3, 6 + 4).generate(torch.tensor(prompts), 4)
+        assert [k for k, _, _ in seen] == [None] * 4
+    finally:
+        del target.forward
+        set_routing(target, None)
+
+
 def test_synthetic_acceptance_runs_real_shapes(models):
     cfg, target, drafter = models
     prompts = prompts_for(cfg, [5, 9], seed=9)

@@ -74,6 +74,20 @@ def test_graphs_replay_the_eager_step(acc):
         assert [len(o) for o in graphed] == limits and st_g.mean_accepted > 2.0
 
 
+def test_ar_rows_and_decode_run_one_step():
+    """e2e's AR rows (ARStep: a graph per phase) and `ddbench decode` (Decoder: a graph per
+    step) run the one AR step, engine.decode.decode_forward: fp32, the same tokens."""
+    from ddbench.engine.decode import Decoder
+
+    cfg, target, _ = build(torch.float32, "triton", "triton")
+    ps = prompts(cfg, [6, 6, 6], seed=3)
+    ar, st = decode(target, None, ps, [10] * 3, graph=True)
+    dec = Decoder(target, 3, 16, use_graph=True)
+    want = dec.generate(torch.tensor(ps), 10)
+    assert st.cuda_graph and dec.graph is not None
+    assert ar == want.tolist()
+
+
 def test_phase_timing_in_graphs():
     """Per-phase events between the step's graphs, and the verify split from a graph of the
     verify with event nodes (what `ddbench e2e` reports)."""
