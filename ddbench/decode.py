@@ -13,7 +13,9 @@ Three ways to run a TP-n model:
 For each concurrency c: random prompts of `--prompt-len`, prefill, then `--new-tokens`
 greedy steps (a CUDA graph per step on GPU), with per-phase times from a second graph of
 the step with timing events inside it, or one eager step where that fails (the
-`phase_method` column says which; engine/decode.py explains the method). One CSV row per c (kind `decode`) with the step
+`phase_method` column says which; engine/decode.py explains the method). The step is the
+engine's one AR decode step (`engine.decode.decode_forward`), the one the AR rows of
+`ddbench e2e` run too. One CSV row per c (kind `decode`) with the step
 time, per-phase times, tok/s, and the bytes floor: (weight bytes + KV bytes) a step
 must read / the measured device copy bandwidth.
 """

@@ -11,6 +11,8 @@ How a run is timed (engine/spec.py has the loop):
   KV commit + outputs, context = drafter context update); on a GPU each phase is one
   CUDA graph per (c, budget) and a CUDA event sits between phases, so every phase time is
   measured on the GPU timeline (launch gaps included). `step_us` = their sum per step.
+  An AR row's step is two such phases: verify, the AR decode step `ddbench decode` times
+  (`decode_forward` of engine/decode.py, one token per stream), and accept (outputs).
 - the verify phase is split into attention / MoE / other by the proportions of the
   target's phases (`engine.phases.PhaseTimer`) in a separate CUDA graph of the verify
   with timing events as graph nodes (`verify_split_method` graph), or else of one eager
