@@ -144,3 +144,37 @@ def test_report_cli_errors(tree, tmp_path):
                                  "--results-md", str(tmp_path / "R.md")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "R.md").exists()
+
+
+def test_headline_prefers_honest_routing_and_flags_the_random_router():
+    """The engine-vs-SGLang headline takes DDTree rows with honest routing and a named rank
+    profile where there are any; with only random-weight-router rows it says they flatter."""
+    import pandas as pd
+
+    from ddbench.report import honest_routing
+
+    assert not honest_routing(pd.Series({"decoder": "ddtree"}))                       # before the column
+    assert not honest_routing(pd.Series({"routing": "model", "checkpoint": float("nan")}))
+    assert honest_routing(pd.Series({"routing": "model", "checkpoint": "/ckpt"}))
+    assert honest_routing(pd.Series({"routing": "uniform"})) and honest_routing(pd.Series({"routing": "overlap:0.5"}))
+
+
+def test_headline_ddtree_row_is_the_honest_one():
+    import pandas as pd
+
+    from ddbench.report import summary
+
+    def frame(routing, tps, prof):
+        row = {"decoder": "ddtree", "concurrency": 1, "budget": 8, "output_tok_per_s": tps, "acceptance": prof,
+               "mode": "simulated"}
+        return pd.DataFrame([{**row, "routing": routing}] if routing else [row])
+
+    from types import SimpleNamespace
+
+    honest = [(SimpleNamespace(name="r1"), frame("uniform", 300.0, "rank:dflash-k25-gsm8k-paper")),
+              (SimpleNamespace(name="r2"), frame("uniform", 400.0, "synthetic:6"))]
+    old = [(SimpleNamespace(name="r0"), frame(None, 900.0, "synthetic:9"))]
+    text = "\n".join(summary({"e2e": honest + old}, {1: [("SGLang", 138.0)]}))
+    assert "| 300 |" in text and "900" not in text and "flatters" not in text
+    text = "\n".join(summary({"e2e": old}, {1: [("SGLang", 138.0)]}))
+    assert "900" in text and "flatters" in text
