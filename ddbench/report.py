@@ -226,7 +226,7 @@ def table_e2e(runs, reference: dict) -> list[str]:
         return ["No e2e rows.", ""]
     pred = first_col(df, "predicted_tok_per_s")
     acc = first_col(df, "mean_accepted_len", "mean_accepted", "accepted_mean")
-    experts = first_col(df, "measured_experts", "distinct_experts", "experts_touched")
+    experts = first_col(df, "experts_measured")   # the formula's experts_touched is no measurement
     routing = first_col(df, "routing")
     best = df.dropna(subset=["output_tok_per_s"])
     best = best.loc[best.groupby(["decoder", "_profile", "concurrency"])["output_tok_per_s"].idxmax()]
