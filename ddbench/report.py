@@ -310,7 +310,8 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
     df = e2e_frame(by_cmd.get("e2e", []))
     flattered = False
     if not df.empty:
-        df = df.dropna(subset=["output_tok_per_s"]).assign(_honest=[honest_routing(r) for _, r in df.iterrows()])
+        df = df.dropna(subset=["output_tok_per_s"])
+        df = df.assign(_honest=[honest_routing(r) for _, r in df.iterrows()])
         # the DDTree headline: honest routing and a named rank profile where any row has them
         dd = df[df.decoder == "ddtree"]
         for cond in (dd._honest & dd._profile.astype(str).str.startswith("rank:"), dd._honest):

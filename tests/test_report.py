@@ -174,6 +174,7 @@ def test_headline_ddtree_row_is_the_honest_one():
     honest = [(SimpleNamespace(name="r1"), frame("uniform", 300.0, "rank:dflash-k25-gsm8k-paper")),
               (SimpleNamespace(name="r2"), frame("uniform", 400.0, "synthetic:6"))]
     old = [(SimpleNamespace(name="r0"), frame(None, 900.0, "synthetic:9"))]
+    honest.append((SimpleNamespace(name="r3"), frame("uniform", float("nan"), "rank:x")))   # an unfinished row
     text = "\n".join(summary({"e2e": honest + old}, {1: [("SGLang", 138.0)]}))
     assert "| 300 |" in text and "900" not in text and "flatters" not in text
     text = "\n".join(summary({"e2e": old}, {1: [("SGLang", 138.0)]}))
