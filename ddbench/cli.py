@@ -501,7 +501,8 @@ def e2e(
     check_output(out, name)
     run(preset=preset, tp=tp, simulate_rank=simulate_rank, gpus=gpus,
         concurrency=levels, budgets=budgets, budget_auto=auto, routing=routing, save_profile=save_profile,
-        acceptance=acceptance.split(",") if acceptance is not None else None, prompt_len=prompt_len, new_tokens=new_tokens, checkpoint=checkpoint,
+        acceptance=acceptance.split(",") if acceptance is not None else None, prompt_len=prompt_len,
+        new_tokens=new_tokens, checkpoint=checkpoint,
         allreduce_model=allreduce_model, moe_backend=moe_backend, attn_backend=attn_backend, graph=graph,
         init=init, topk=topk, seed=seed, out=out, override=override,
         baseline=baseline or Path("results/baseline"), name=name, kernel_choice=choice)

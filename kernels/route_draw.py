@@ -3,8 +3,8 @@ uniform top-k rows (or keep the router's) and count the distinct experts of the 
 
 `engine.routing` replaces a random-weight router's choice by independent uniform draws and
 counts what each MoE layer touched. Done with torch ops that was about eleven launches a
-layer (hash, gather, bincount, sums), ~1.6 ms of a c=1 decode step on the H200; here it is
-one program per call, launched under PDL like the step's other kernels.
+layer (hash, gather, bincount, sums) on the decode step's critical path; here it is one
+program per call, launched under PDL like the step's other kernels.
 
 Modes (`MODE`): 0 copy (the ids given; only counted), 1 keyed (pool row = hash(key, layer,
 seed) per token: the same token at the same position always runs the same experts), 2
