@@ -113,9 +113,12 @@ def test_marlin_matches_reference(k26, routing, tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ng,w2b", [(1, 1), (2, 2), (2, 4), (4, 2)])
-def test_marlin_tiles_and_graph_replay(k26, ng, w2b):
-    x, ids, tw = _case("uniform", 200, k26, seed=ng)
+@pytest.mark.parametrize("ng,w2b,routing", [(1, 1, "uniform"), (2, 2, "uniform"), (2, 4, "uniform"), (4, 2, "uniform"),
+                                             (4, 2, "skewed")])
+def test_marlin_tiles_and_graph_replay(k26, ng, w2b, routing):
+    """Every tile shape, eager = graph replay; skewed routing at NG 4 gives items of 1-4 valid 8-token
+    groups (each count its own code path in the kernel)."""
+    x, ids, tw = _case(routing, 200, k26, seed=ng)
     tiles = mm.resolve_tiles(200, 8, k26, x.device, {"ng": ng, "stages": 3, "warps": 4, "w2b": w2b})
     eager = mm.fused_moe_marlin(x, ids, tw, k26, tiles)
     want = fused_moe_ref(x.float(), ids, tw, k26).float()
