@@ -9,6 +9,10 @@ clock).
 
 usage: python3 -m experiments.scripts.sass_loops [CSV] [NAME=VALUE ...]
   defaults: kernels/moe_marlin.cu at the K2.6 TP-8 shard, NG=2 (T > 96), W2B=2, 4 stages, 4 warps
+       python3 -m experiments.scripts.sass_loops --bound [SWEEP_CSV]
+  the issue bound of moe_w13 / moe_w2 at each T of the sweep (uniform routing planned on the CPU,
+  the tiles `kernels.moe_marlin.tiles_for` picks, each block's stage loop by its valid 8-token
+  groups): instructions / (SMs x 4 schedulers x 1 a cycle x clock), beside the sweep's times
 """
 from __future__ import annotations
 
@@ -73,7 +77,67 @@ def sass(source: str = "moe_marlin.cu", defines: dict | None = None) -> str:
                               text=True).stdout
 
 
+SMS, SCHEDULERS, CLOCK_MHZ = 132, 4, 1980          # H200 (SXM): SMs, warp schedulers an SM, boost clock
+E, H, I, TOPK = 384, DEFINES["H"], DEFINES["I"], DEFINES["TOPK"]
+
+
+def stage_counts(ng: int, w2b: int) -> dict:
+    """{kernel: ([stage-loop instructions by valid groups 1..NG], item-loop overhead)} of moe_marlin
+    at these tiles (a kernel with one stage loop for every count repeats it)."""
+    funcs = parse(sass(defines={**DEFINES, "NG": ng, "W2B": w2b}))
+    out = {}
+    for name in KERNELS:
+        loops = mma_loops(funcs[name])
+        stages = sorted((lp for lp in loops if lp["inner"]), key=lambda lp: lp["hmma"])
+        item = max(lp["instructions"] for lp in loops)
+        by_groups = [stages[min(v, len(stages)) - 1]["instructions"] for v in range(1, ng + 1)]
+        out[name] = (by_groups, item - sum(lp["instructions"] for lp in stages))
+    return out
+
+
+def bound(tokens: list[int], seed: int = 0) -> list[dict]:
+    """The issue bound of each GEMM at each token count (see the module docstring)."""
+    import torch
+
+    from ddbench.kernels import moe_marlin as mm
+
+    gen, rows, cache = torch.Generator().manual_seed(seed), [], {}
+    per_us = SMS * SCHEDULERS * CLOCK_MHZ
+    for t in tokens:
+        tiles = mm.tiles_for(t, TOPK, E)
+        ng, w2b = tiles["ng"], tiles["w2b"]
+        if (ng, w2b) not in cache:
+            cache[ng, w2b] = stage_counts(ng, w2b)
+        counts = cache[ng, w2b]
+        ids = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(t)])
+        _, _, block_rows, n_blocks = mm.plan_ref(ids, E, 8 * ng)
+        groups = (block_rows[: int(n_blocks)] + 7) // 8
+        warps = 3 * SMS * 4                          # 3 programs of 4 warps an SM (shared memory)
+        splits = mm.work_split(t, TOPK, E, I, H, warps)
+        for name, items_per_block, stages in (("moe_w13", (I // 64) * splits, -(-(H // 32) // splits)),
+                                              ("moe_w2", H // (64 * w2b), I // 32)):
+            loop, overhead = counts[name]
+            instr = sum(items_per_block * (stages * loop[int(g) - 1] + overhead) for g in groups)
+            rows.append({"tokens": t, "kernel": name, "ng": ng, "w2b": w2b, "splits": splits if name == "moe_w13" else 1,
+                         "blocks": int(n_blocks), "items": items_per_block * int(n_blocks),
+                         "minstr": round(instr / 1e6, 2), "issue_bound_us": round(instr / per_us, 1)})
+    return rows
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--bound":
+        import pandas as pd
+
+        sweep = pd.read_csv(argv[1]) if len(argv) > 1 else None
+        tokens = sorted(sweep.tokens.unique()) if sweep is not None else [8, 16, 32, 64, 128, 256, 512, 1024, 4096]
+        rows = bound([int(t) for t in tokens if t > 1])
+        if sweep is not None:
+            got = sweep[sweep.cuda_graph.astype(str) == "True"].set_index(["tokens", "stage"]).time_us
+            for r in rows:
+                r["measured_us"] = got.get((r["tokens"], r["kernel"][4:]))
+                r["issue_share"] = round(r["issue_bound_us"] / r["measured_us"], 2) if r["measured_us"] else None
+        print(pd.DataFrame(rows).to_string(index=False))
+        return
     path = Path(argv[0]) if argv and "=" not in argv[0] else None
     defines = {**DEFINES, **dict(a.split("=", 1) for a in argv if "=" in a)}
     funcs = parse(sass(defines=defines))
