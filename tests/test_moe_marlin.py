@@ -116,8 +116,8 @@ def test_marlin_matches_reference(k26, routing, tokens):
 @pytest.mark.parametrize("ng,w2b,routing", [(1, 1, "uniform"), (2, 2, "uniform"), (2, 4, "uniform"), (4, 2, "uniform"),
                                              (4, 2, "skewed")])
 def test_marlin_tiles_and_graph_replay(k26, ng, w2b, routing):
-    """Every tile shape, eager = graph replay; skewed routing at NG 4 gives items of 1-4 valid 8-token
-    groups (each count its own code path in the kernel)."""
+    """Every tile shape, eager = graph replay; skewed routing at NG 4 gives items of every count
+    of valid 8-token groups, 1 to 4."""
     x, ids, tw = _case(routing, 200, k26, seed=ng)
     tiles = mm.resolve_tiles(200, 8, k26, x.device, {"ng": ng, "stages": 3, "warps": 4, "w2b": w2b})
     eager = mm.fused_moe_marlin(x, ids, tw, k26, tiles)

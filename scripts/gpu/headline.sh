@@ -16,7 +16,7 @@ HERE=$PWD
 STAMP=$(date -u +%Y%m%d-%H%M%S)
 mkdir -p logs results/h200/moe-sweep results/h200/e2e
 LOG=$HERE/logs/headline_$STAMP.log
-pack() { [ -n "$OUT" ] && tar czf "$OUT/headline_$STAMP.tar.gz" results/h200 logs 2>/dev/null; }
+pack() { [ -z "$OUT" ] || tar czf "$OUT/headline_$STAMP.tar.gz" -C "$HERE" results/h200 logs 2>/dev/null; }
 step() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 step "gpu tests: MoE kernel, routing hook"
 timeout "${CAP_TESTS:-150}" python3 -m pytest -q -m gpu tests/test_moe_marlin.py tests/test_routing.py 2>&1 | tail -8 | tee -a "$LOG"
@@ -27,10 +27,10 @@ cd "$TREE" || exit 1
 step "moe-sweep tp8 (tree $TREE)"
 timeout -s INT "${CAP_SWEEP:-100}" python3 -m ddbench moe-sweep --preset k2.6 --tp 8 --backends triton --routing uniform \
   --out "$HERE/results/h200/moe-sweep" --name "${STAMP}_headline_tp8" 2>&1 | tail -18 | tee -a "$LOG"
-cd "$HERE" && pack && cd "$TREE"
+pack
 ACC=rank:dflash-k25-gsm8k-paper,rank:dflash-k25-mtbench-small,synthetic:6
 step "e2e honest c=1,10 (tree $TREE)"
 timeout -s INT "${CAP_E2E:-330}" python3 -m ddbench e2e --preset k2.6 --tp 8 --simulate-rank 0 --prompt-len 128 \
   --new-tokens 64 --routing uniform --concurrency 1,10 --budget 8,16,32,128,auto --acceptance "$ACC" \
   --out "$HERE/results/h200/e2e" --name "${STAMP}_headline" 2>&1 | tail -40 | tee -a "$LOG"
-cd "$HERE" && pack
+pack
