@@ -300,7 +300,7 @@ class MoE(nn.Module):
                 act = self.shared.gate_up(xf)                                 # [N, I/tp]
         with phase("moe"):
             y = fused_moe(xf, ids, w, experts, self.backend, x_half=xh, sum_k=k_rows == 1,
-                          stream_rows=t, kernel=self.ops.kernels.moe)     # [N * k_rows, H]
+                          stream_rows=t, kernel=self.ops.kernels.moe, pdl_mode=self.ops.pdl_mode)  # [N * k_rows, H]
         with phase("mlp"):
             if side is None:
                 act = self.shared.gate_up(xf)

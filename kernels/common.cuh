@@ -37,6 +37,12 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {   // generic -> s
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {   // 16 bytes global -> shared, L2 only
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
 }
+// kernels/pdl.py's `enter` (rule 1) for a CUDA kernel: mode 1 waits for the kernel before (its
+// writes visible), mode 2 then also lets the next kernel's programs launch; 0 does nothing
+__device__ __forceinline__ void pdl_enter(int mode) {
+    if (mode > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (mode > 1) asm volatile("griddepcontrol.launch_dependents;");
+}
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);

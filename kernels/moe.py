@@ -110,13 +110,14 @@ def _marlin_shapes_ok(w: MarlinMoE) -> bool:
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MarlinMoE,
               backend: str = "torch", x_half: torch.Tensor | None = None, sum_k: bool = True,
-              stream_rows: int = 1, *, kernel: str = "auto") -> torch.Tensor:
+              stream_rows: int = 1, *, kernel: str = "auto", pdl_mode: int = 2) -> torch.Tensor:
     """The MoE GEMM; `backend` is 'torch' (reference) or 'triton' (the GPU kernels, chosen by
     `kernel`: see `resolve_moe_kernel`). Two options of the CUDA-core path only (kernel gemv;
     x_half is ignored elsewhere): x_half, x already in that path's activation format
     (`kernels.moe_gemv.half_rows(x)`: fp16), saves its first launch; sum_k=False returns the k
     weighted rows per token, fp32 `[T*k, H]` (row t*k + j), for the caller to sum (saves its
-    last launch). stream_rows: tokens a stream in x (`moe_triton.default_config`)."""
+    last launch). stream_rows: tokens a stream in x (`moe_triton.default_config`). pdl_mode:
+    kernels.pdl's mode of the marlin kernel's launches (the Triton paths run mode 2 where PDL exists)."""
     if backend not in ("torch", "triton"):
         raise ValueError(f"unknown MoE backend {backend!r}; choose torch or triton")
     name, tiles = "torch", {}
@@ -130,7 +131,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if name == "marlin":
         from ddbench.kernels.moe_marlin import fused_moe_marlin
 
-        return fused_moe_marlin(x, topk_ids, topk_weights, w, tiles)
+        return fused_moe_marlin(x, topk_ids, topk_weights, w, tiles, pdl_mode)
     from ddbench.kernels.device import sm_count
     from ddbench.kernels.moe_triton import MoeTritonConfig, check_inputs, fused_moe_triton
 

@@ -22,6 +22,9 @@
 // tokens (rows of x, or of act for w2): lane (g, t) holds token g's k pairs 2t and 2t+8. The
 // fp32 product of one scale group (32 K rows = one stage) is scaled per row n in fp32.
 //
+// PDL (kernels/pdl.py): each kernel takes a mode `pdl` and enters (waits for the kernel before)
+// before it reads anything a kernel wrote; the host launches it with the PDL attribute when > 0.
+//
 // Determinism: a K split writes fp32 partials and the last of an item's splits to finish (an
 // atomic ticket) sums them in split order; w2's k slots are summed by the last of a token's
 // k items in slot order. Tickets are reset by their last user, so buffers stay zero.
@@ -75,10 +78,11 @@ __device__ __forceinline__ void mma(float d[4], const unsigned a[4], unsigned b0
 // ------------------------------------------------------------------------------------ planning
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
-moe_plan(const int* ids, int n, int n_experts, int* sorted, int* block_expert, int* block_rows, int* n_blocks)
+moe_plan(const int* ids, int n, int n_experts, int* sorted, int* block_expert, int* block_rows, int* n_blocks, int pdl)
 {
     __shared__ int cnt[MAXE], start[MAXE], wsum[32];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    pdl_enter(pdl);
     for (int e = tid; e < n_experts; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
     for (int i = tid; i < n; i += blockDim.x) atomicAdd(&cnt[ids[i]], 1);
@@ -122,11 +126,13 @@ moe_plan(const int* ids, int n, int n_experts, int* sorted, int* block_expert, i
 // ------------------------------------------------------------------------------------ streaming
 
 // acc[j][tile][ng][4] += rows n of Marlin blocks nb0 + j*nb_step (j < NBLK) of expert e over
-// stages [st0, st1) (32 K rows each), times the B rows xrow[ng] (bf16, K contiguous)
-template <int KDIM, int NDIM, int NBLK>
+// stages [st0, st1) (32 K rows each), times the B rows xrow[ng] (bf16, K contiguous), for the
+// first NV 8-token groups (the others are neither loaded nor multiplied; NV is a template
+// argument so that no mma sits under a branch: a predicated mma.sync costs a WARPSYNC)
+template <int KDIM, int NDIM, int NBLK, int NV>
 __device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring, const unsigned* w, const unsigned short* s,
                                        int e, int nb0, int nb_step, int st0, int st1,
-                                       const unsigned short* const (&xrow)[NG], const bool (&xval)[NG], int ngv,
+                                       const unsigned short* const (&xrow)[NG], const bool (&xval)[NG],
                                        unsigned long long pol)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -144,7 +150,7 @@ __device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring
                 cp16(smem_addr(slot + (2 * NBLK + j) * 32), sl + (long)(kt * 16 / G) * NDIM + nb * 64);
             }
 #pragma unroll
-            for (int ng = 0; ng < NG; ng++) {
+            for (int ng = 0; ng < NV; ng++) {
                 const unsigned dst = smem_addr(slot + (3 * NBLK + ng) * 32);
                 const unsigned short* xr = xrow[ng] + 32 * st + 2 * t;
 #pragma unroll
@@ -159,10 +165,10 @@ __device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring
         issue(st + STAGES - 1);
         cp_wait<STAGES - 1>();
         const uint4* slot = ring + (st % STAGES) * STAGE_U4(NBLK) * 32 + lane;
-        uint4 xv[NG];
-        float c0[NG][4];                                    // zero: each group's product starts here
+        uint4 xv[NV];
+        float c0[NV][4];                                    // zero: each group's product starts here
 #pragma unroll
-        for (int ng = 0; ng < NG; ng++) {
+        for (int ng = 0; ng < NV; ng++) {
             xv[ng] = slot[(3 * NBLK + ng) * 32];
 #pragma unroll
             for (int i = 0; i < 4; i++) c0[ng][i] = 0.f;
@@ -179,22 +185,33 @@ __device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring
                 dequant(wq1[tile], a1);
                 const float slo = bf16_lo(sq[tile]), shi = bf16_hi(sq[tile]);
 #pragma unroll
-                for (int ng = 0; ng < NG; ng++) {
-                    if (ng < ngv) {
-                        float c[4];
-                        mma(c, a0, xv[ng].x, xv[ng].y, c0[ng]);
-                        mma(c, a1, xv[ng].z, xv[ng].w, c);
-                        float* d = acc[j][tile][ng];
-                        d[0] = fmaf(c[0], slo, d[0]);
-                        d[1] = fmaf(c[1], slo, d[1]);
-                        d[2] = fmaf(c[2], shi, d[2]);
-                        d[3] = fmaf(c[3], shi, d[3]);
-                    }
+                for (int ng = 0; ng < NV; ng++) {
+                    float c[4];
+                    mma(c, a0, xv[ng].x, xv[ng].y, c0[ng]);
+                    mma(c, a1, xv[ng].z, xv[ng].w, c);
+                    float* d = acc[j][tile][ng];
+                    d[0] = fmaf(c[0], slo, d[0]);
+                    d[1] = fmaf(c[1], slo, d[1]);
+                    d[2] = fmaf(c[2], shi, d[2]);
+                    d[3] = fmaf(c[3], shi, d[3]);
                 }
             }
         }
     }
     cp_wait<0>();
+}
+
+// stream over the item's ngv valid groups (warp-uniform): one instantiation per count up to 3, NG above
+template <int KDIM, int NDIM, int NBLK>
+__device__ __forceinline__ void stream_valid(float (&acc)[NBLK][4][NG][4], uint4* ring, const unsigned* w,
+                                             const unsigned short* s, int e, int nb0, int nb_step, int st0, int st1,
+                                             const unsigned short* const (&xrow)[NG], const bool (&xval)[NG], int ngv,
+                                             unsigned long long pol)
+{
+    if constexpr (NG > 1) if (ngv == 1) return stream<KDIM, NDIM, NBLK, 1>(acc, ring, w, s, e, nb0, nb_step, st0, st1, xrow, xval, pol);
+    if constexpr (NG > 2) if (ngv == 2) return stream<KDIM, NDIM, NBLK, 2>(acc, ring, w, s, e, nb0, nb_step, st0, st1, xrow, xval, pol);
+    if constexpr (NG > 3) if (ngv == 3) return stream<KDIM, NDIM, NBLK, 3>(acc, ring, w, s, e, nb0, nb_step, st0, st1, xrow, xval, pol);
+    stream<KDIM, NDIM, NBLK, NG>(acc, ring, w, s, e, nb0, nb_step, st0, st1, xrow, xval, pol);
 }
 
 template <int NBLK>
@@ -219,13 +236,15 @@ moe_w13(const unsigned short* x,                                  // bf16 [T, H]
         const int* sorted, const int* block_expert, const int* block_rows, const int* n_blocks,
         int splits, int rows_max, float* part,                    // fp32 [splits, rows_max, 2I] (splits > 1)
         int* tickets,                                             // [blocks, I/64], zero
-        unsigned short* act)                                      // bf16 [rows_max, I] (sorted rows)
+        unsigned short* act,                                      // bf16 [rows_max, I] (sorted rows)
+        int pdl)
 {
     extern __shared__ uint4 smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     uint4* ring = smem + warp * STAGES * STAGE_U4(2) * 32;
     const unsigned long long pol = evict_first();
     constexpr int P = I / 64, NST = H / 32;
+    pdl_enter(pdl);
     const int total = *n_blocks * P * splits, per = (NST + splits - 1) / splits;
     for (int item = blockIdx.x * WARPS + warp; item < total; item += gridDim.x * WARPS) {
         const int sp = item % splits, p = item / splits % P, blk = item / (splits * P);
@@ -241,7 +260,7 @@ moe_w13(const unsigned short* x,                                  // bf16 [T, H]
         float acc[2][4][NG][4];
         zero<2>(acc);
         const int st0 = sp * per, st1 = min(NST, st0 + per);
-        stream<H, 2 * I, 2>(acc, ring, w, s, e, p, P, st0, st1, xrow, xval, ngv, pol);
+        stream_valid<H, 2 * I, 2>(acc, ring, w, s, e, p, P, st0, st1, xrow, xval, ngv, pol);
         if (splits == 1) {
 #pragma unroll
             for (int f = 0; f < 4; f++)
@@ -299,13 +318,15 @@ moe_w2(const unsigned short* act,                                 // bf16 [rows_
        const float* topk_w,                                       // fp32 [T*k]
        float* ypart,                                              // fp32 [T*k, H]
        int* tickets,                                              // [T, H/(64 W2B)], zero
-       unsigned short* out)                                       // bf16 [T, H]
+       unsigned short* out,                                       // bf16 [T, H]
+       int pdl)
 {
     extern __shared__ uint4 smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     uint4* ring = smem + warp * STAGES * STAGE_U4(W2B) * 32;
     const unsigned long long pol = evict_first();
     constexpr int P = H / (64 * W2B), NST = I / 32;
+    pdl_enter(pdl);
     const int total = *n_blocks * P;
     for (int item = blockIdx.x * WARPS + warp; item < total; item += gridDim.x * WARPS) {
         const int p = item % P, blk = item / P;
@@ -320,7 +341,7 @@ moe_w2(const unsigned short* act,                                 // bf16 [rows_
         }
         float acc[W2B][4][NG][4];
         zero<W2B>(acc);
-        stream<I, H, W2B>(acc, ring, w, s, e, W2B * p, 1, 0, NST, xrow, xval, ngv, pol);
+        stream_valid<I, H, W2B>(acc, ring, w, s, e, W2B * p, 1, 0, NST, xrow, xval, ngv, pol);
         const int my = lane < rows ? sorted[blk * CH + lane] : 0;   // lane r: row r's assignment
 #pragma unroll
         for (int ng = 0; ng < NG; ng++)

@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from ddbench.kernels import pdl
+
 MAXE = 1024            # experts the planning program takes (one thread each)
 STAGE_BYTES = 512      # per 16-byte vector a lane holds in a stage: 32 lanes x 16 bytes
 MAX_SPLITS = 32
@@ -168,8 +170,8 @@ def resolve_tiles(tokens: int, top_k: int, w, device: torch.device, tiles: dict 
     return t
 
 
-def plan(topk_ids: torch.Tensor, n_experts: int, ch: int):
-    """The CUDA planning: as `plan_ref` (one launch, no host sync)."""
+def plan(topk_ids: torch.Tensor, n_experts: int, ch: int, pdl_mode: int = 2):
+    """The CUDA planning: as `plan_ref` (one launch, no host sync; PDL mode as kernels.pdl.on)."""
     if n_experts > MAXE:
         raise ValueError(f"moe_marlin plans at most {MAXE} experts, got {n_experts}")
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
@@ -180,12 +182,13 @@ def plan(topk_ids: torch.Tensor, n_experts: int, ch: int):
     block_rows = torch.empty(nmax, dtype=torch.int32, device=dev)
     n_blocks = torch.empty(1, dtype=torch.int32, device=dev)
     # the plan program's CH is NG's; any NG with 8*NG = ch compiles it (G, H, I, TOPK unused there)
+    mode = pdl.on(ids, pdl_mode)
     _kernel("moe_plan", ch // 8, 2, 1, 32, 128, 64, 1, dev)(1, 1024, 0, [ids, n, n_experts, sorted_ids, block_expert,
-                                                                        block_rows, n_blocks])
+                                                                        block_rows, n_blocks, mode], pdl=mode > 0)
     return sorted_ids, block_expert, block_rows, n_blocks
 
 
-def marlin_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict) -> torch.Tensor:
+def marlin_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict, pdl_mode: int = 2) -> torch.Tensor:
     """The w13 GEMM alone (routing from `plan` with CH = 8*tiles['ng']): x bf16 `[T, H]` ->
     SiLU(gate)*up bf16 `[rows, I]` in the plan's sorted rows."""
     sorted_ids, block_expert, block_rows, n_blocks = routing
@@ -198,12 +201,15 @@ def marlin_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict) -> t
     key = _key(tiles)
     k = _kernel("moe_w13", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"])
     grid = _grid("moe_w13", key, w.group_size, h, i, top_k, dev)
+    mode = pdl.on(x, pdl_mode)
     k(grid, 32 * tiles["warps"], shared_bytes(tiles, "moe_w13"),
-      [x.contiguous(), w.w13, w.w13_scale, sorted_ids, block_expert, block_rows, n_blocks, splits, rows, part, tk, act])
+      [x.contiguous(), w.w13, w.w13_scale, sorted_ids, block_expert, block_rows, n_blocks, splits, rows, part, tk, act,
+       mode], pdl=mode > 0)
     return act
 
 
-def marlin_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, tiles: dict) -> torch.Tensor:
+def marlin_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, tiles: dict,
+              pdl_mode: int = 2) -> torch.Tensor:
     """The w2 GEMM alone, top-k weights and the sum over k included: `marlin_w13`'s output ->
     bf16 `[T, H]`."""
     sorted_ids, block_expert, block_rows, n_blocks = routing
@@ -215,19 +221,22 @@ def marlin_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, 
     key = _key(tiles)
     k = _kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"])
     grid = _grid("moe_w2", key, w.group_size, h, i, top_k, dev)
+    mode = pdl.on(act, pdl_mode)
     k(grid, 32 * tiles["warps"], shared_bytes(tiles, "moe_w2"),
       [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
-       topk_weights.reshape(-1).float().contiguous(), ypart, tk, out])
+       topk_weights.reshape(-1).float().contiguous(), ypart, tk, out, mode], pdl=mode > 0)
     return out
 
 
 def fused_moe_marlin(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w,
-                     tiles: dict | None = None) -> torch.Tensor:
-    """x bf16 `[T, H]`, routing `[T, k]`, `MarlinMoE` -> bf16 `[T, H]` (as fused_moe_ref)."""
+                     tiles: dict | None = None, pdl_mode: int = 2) -> torch.Tensor:
+    """x bf16 `[T, H]`, routing `[T, k]`, `MarlinMoE` -> bf16 `[T, H]` (as fused_moe_ref).
+    pdl_mode: kernels.pdl's mode of the three launches (2: each may start while the one before
+    ends; a GPU without PDL runs 0)."""
     if not fits(x, topk_ids, w):
         raise ValueError(f"moe_marlin does not take x {x.dtype} {tuple(x.shape)} on {x.device} with experts of "
                          f"H = {w.hidden}, I = {w.inter}, group {w.group_size} (kernels.moe_marlin.fits)")
     t = resolve_tiles(topk_ids.shape[0], topk_ids.shape[1], w, x.device, tiles)
-    routing = plan(topk_ids, w.n_experts, 8 * t["ng"])
-    act = marlin_w13(x, routing, topk_ids.shape[1], w, t)
-    return marlin_w2(act, routing, topk_weights, w, t)
+    routing = plan(topk_ids, w.n_experts, 8 * t["ng"], pdl_mode)
+    act = marlin_w13(x, routing, topk_ids.shape[1], w, t, pdl_mode)
+    return marlin_w2(act, routing, topk_weights, w, t, pdl_mode)

@@ -1,6 +1,6 @@
 """ddbench.kernels.pdl: the decode chain launched with programmatic dependent launch gives the same
 bits as launched without it (a kernel that read its input before its predecessor finished
-would not), eagerly and replayed in a CUDA graph, at K2.6 TP-8 shapes."""
+would not), eagerly and replayed in a CUDA graph, at K2.6 TP-8 shapes; the same for the CUDA Marlin MoE's launches."""
 import pytest
 import torch
 
@@ -61,6 +61,47 @@ def test_gpu_pdl_chain_equals_plain_launches():
         out = layers(xs, rs, 2)
     for i in range(5):   # new inputs each replay
         xi, ri = rnd(1, hid), rnd(1, hid)
+        want = layers(xi, ri, 0)
+        xs.copy_(xi)
+        rs.copy_(ri)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), f"replay {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [9, 90])
+def test_gpu_pdl_marlin_moe_chain_equals_plain_launches(rows):
+    """The CUDA Marlin MoE's three launches (plan, w13, w2) in PDL modes 2 and 1 give the bits of
+    mode 0 in a chain where each layer's input comes from the launch before (norm and route
+    PDL launches, the router GEMM cuBLAS, as the engine's verify), eagerly and replayed in a CUDA graph with new inputs."""
+    if not pdl.on(torch.empty(1, device="cuda")):
+        pytest.skip("needs sm_90+")
+    cfg = preset("k2.6", tp=8)
+    hid, dev, bf = cfg.hidden, "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(5)
+    n_w = torch.randn(hid, generator=g, device=dev).to(bf)
+    gate = (torch.randn(64, hid, generator=g, device=dev) * hid ** -0.5).to(bf)
+    bias = torch.randn(64, generator=g, device=dev) * 0.1
+    moe = random_marlin_moe(64, hid, cfg.moe_inter_local, cfg.group_size, cfg.top_k, device=dev, seed=6)
+
+    def layers(x, res, mode, n=4):
+        for _ in range(n):
+            xf, res = fused_ops.rms_norm(x, n_w, 1e-6, res, pdl_mode=mode)
+            ids, w = fused_ops.route(xf @ gate.T, bias, cfg.top_k, 2.5, pdl_mode=mode)
+            x = fused_moe(xf, ids, w, moe, "triton", kernel="marlin", pdl_mode=mode)
+        return x, res
+
+    x, res = (torch.randn(rows, hid, generator=g, device=dev).to(bf) for _ in range(2))
+    want = layers(x, res, 0)
+    for mode in (2, 1):
+        assert all(torch.equal(a, b) for a, b in zip(layers(x, res, mode), want)), f"mode {mode}"
+    graph = torch.cuda.CUDAGraph()
+    xs, rs = x.clone(), res.clone()
+    with torch.cuda.graph(graph):
+        out = layers(xs, rs, 2)
+    for i in range(3):
+        xi, ri = (torch.randn(rows, hid, generator=g, device=dev).to(bf) for _ in range(2))
         want = layers(xi, ri, 0)
         xs.copy_(xi)
         rs.copy_(ri)
