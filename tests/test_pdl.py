@@ -44,29 +44,13 @@ def test_gpu_pdl_chain_equals_plain_launches():
              gate=rnd(64, hid, scale=hid ** -0.5), bias=torch.randn(64, generator=g, device=dev) * 0.1,
              w13=rnd(512, hid, scale=hid ** -0.5), w2=rnd(hid, 256, scale=256 ** -0.5),
              moe=random_marlin_moe(64, hid, cfg.moe_inter_local, cfg.group_size, cfg.top_k, device=dev, seed=4))
-    x, res = rnd(1, hid), rnd(1, hid)
 
     def layers(x, res, mode, n=6):
         for _ in range(n):
             x, res = _chain(x, res, p, cfg, mode)
         return x, res
 
-    want = layers(x, res, 0)
-    for mode in (2, 1):
-        got = layers(x, res, mode)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    graph = torch.cuda.CUDAGraph()
-    xs, rs = x.clone(), res.clone()
-    with torch.cuda.graph(graph):
-        out = layers(xs, rs, 2)
-    for i in range(5):   # new inputs each replay
-        xi, ri = rnd(1, hid), rnd(1, hid)
-        want = layers(xi, ri, 0)
-        xs.copy_(xi)
-        rs.copy_(ri)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(out, want)), f"replay {i}"
+    _same_bits_in_every_mode(layers, lambda: (rnd(1, hid), rnd(1, hid)), replays=5)
 
 
 @pytest.mark.gpu
@@ -74,7 +58,8 @@ def test_gpu_pdl_chain_equals_plain_launches():
 def test_gpu_pdl_marlin_moe_chain_equals_plain_launches(rows):
     """The CUDA Marlin MoE's three launches (plan, w13, w2) in PDL modes 2 and 1 give the bits of
     mode 0 in a chain where each layer's input comes from the launch before (norm and route
-    PDL launches, the router GEMM cuBLAS, as the engine's verify), eagerly and replayed in a CUDA graph with new inputs."""
+    PDL launches, the router GEMM cuBLAS, as the engine's verify), eagerly and replayed in a
+    CUDA graph with new inputs."""
     if not pdl.on(torch.empty(1, device="cuda")):
         pytest.skip("needs sm_90+")
     cfg = preset("k2.6", tp=8)
@@ -92,7 +77,14 @@ def test_gpu_pdl_marlin_moe_chain_equals_plain_launches(rows):
             x = fused_moe(xf, ids, w, moe, "triton", kernel="marlin", pdl_mode=mode)
         return x, res
 
-    x, res = (torch.randn(rows, hid, generator=g, device=dev).to(bf) for _ in range(2))
+    _same_bits_in_every_mode(layers, lambda: tuple(torch.randn(rows, hid, generator=g, device=dev).to(bf)
+                                                   for _ in range(2)), replays=3)
+
+
+def _same_bits_in_every_mode(layers, inputs, replays):
+    """layers(x, res, mode) gives mode 0's bits in PDL modes 2 and 1, eagerly, and replayed in a
+    CUDA graph captured in mode 2 with new inputs (`inputs()`: (x, res)) each replay."""
+    x, res = inputs()
     want = layers(x, res, 0)
     for mode in (2, 1):
         assert all(torch.equal(a, b) for a, b in zip(layers(x, res, mode), want)), f"mode {mode}"
@@ -100,8 +92,8 @@ def test_gpu_pdl_marlin_moe_chain_equals_plain_launches(rows):
     xs, rs = x.clone(), res.clone()
     with torch.cuda.graph(graph):
         out = layers(xs, rs, 2)
-    for i in range(3):
-        xi, ri = (torch.randn(rows, hid, generator=g, device=dev).to(bf) for _ in range(2))
+    for i in range(replays):
+        xi, ri = inputs()
         want = layers(xi, ri, 0)
         xs.copy_(xi)
         rs.copy_(ri)
