@@ -8,7 +8,8 @@
 # FALLBACK=DIR: where the MoE tests fail, steps 2-3 run the tree in DIR (e.g. a snapshot of the
 # last commit) instead, so the e2e numbers never come from a kernel that failed its tests.
 # Each step stops with SIGINT at its cap (CAP_TESTS, CAP_SWEEP, CAP_E2E seconds), keeping its rows.
-# Results: results/<gpu>/{moe-sweep,e2e}/ (<gpu> = h200, h100, ... from nvidia-smi)<UTC stamp>_headline*; log logs/headline_<stamp>.log;
+# Results: results/<gpu>/{moe-sweep,e2e}/<UTC stamp>_headline* (<gpu>: h200, h100, ... from nvidia-smi);
+# log logs/headline_<stamp>.log;
 # with $OUT set, all of it comes back as one tarball.
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONUNBUFFERED=1
