@@ -21,7 +21,11 @@ How a run is timed (engine/spec.py has the loop):
 - `comm_us`: with `--simulate-rank`, the modelled all-reduce / all-gather time of one
   step (the stand-ins in the measured step do no communication); 0 at tp=1.
 - `step_total_us` = step + host + comm; `output_tok_per_s` = new tokens / (steps x
-  step_total): for a simulated rank this is the projected TP-n throughput.
+  step_total): for a simulated rank this is the projected TP-n throughput of the fixed
+  batch, which runs until its slowest stream is done (the last steps carry finished
+  streams). `steady_tok_per_s` = c x `steady_accepted` / step_total over the
+  `steady_steps` at which every stream still generates: the rate a server that refills
+  finished streams keeps up, and what the cost model predicts.
 - routing (`--routing`, engine/routing.py): `uniform` (default with random weights: each
   token's experts drawn uniformly after the router ran), `model` (the router's choice;
   default with a checkpoint) or `overlap:F`. `experts_measured` = mean distinct experts
@@ -175,6 +179,9 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
         "comm_source": "modelled" if simulated else ("measured in verify" if real_comm else "none"),
         "step_total_us": _fmt(total_us),
         "steps_per_s": _fmt(1e6 / total_us), "output_tok_per_s": _fmt(st.tokens / (steps * total_us) * 1e6),
+        "steady_tok_per_s": _fmt(c * st.steady_accepted / (st.full_step_us / st.full_steps + host_us + comm_us) * 1e6)
+        if st.full_steps else None,
+        "steady_steps": st.full_steps, "steady_accepted": _fmt(st.steady_accepted, 3),
         "measured_tok_per_s": _fmt(st.tokens / st.wall_us * 1e6) if st.wall_us else None,
         "draft_us": _fmt(ph.get("draft", 0.0) + ph.get("context", 0.0)),
         "draft_forward_us": _fmt(ph.get("draft", 0.0)), "context_us": _fmt(ph.get("context", 0.0)),
@@ -375,7 +382,7 @@ def print_table(console, rows: list[dict], baseline: list[dict]) -> None:
     from ddbench.table import print_table as fit
 
     toy = any(str(r.get("device", "")).startswith("cpu") for r in rows)
-    ar = {r["concurrency"]: r["output_tok_per_s"] for r in rows if r["decoder"] == "ar"}
+    ar = {r["concurrency"]: r.get("steady_tok_per_s") for r in rows if r["decoder"] == "ar"}
     out = []
     for c in sorted({r["concurrency"] for r in rows}):
         for r in [r for r in rows if r["concurrency"] == c]:
@@ -385,17 +392,20 @@ def print_table(console, rows: list[dict], baseline: list[dict]) -> None:
             out.append({"c": c, "decoder": r["decoder"],
                         "budget": str(r["budget"] or "-") + (" auto" if r.get("budget_auto") else ""),
                         "acceptance": r["acceptance"], "tok/s": r["output_tok_per_s"],
-                        "x AR": r["output_tok_per_s"] / ar[c] if ar.get(c) else None,
+                        "steady": r.get("steady_tok_per_s"),
+                        "x AR": r["steady_tok_per_s"] / ar[c] if ar.get(c) and r.get("steady_tok_per_s") else None,
                         "acc len": r["mean_accepted"], "pred": r.get("predicted_tok_per_s"),
                         "experts": r.get("experts_measured"), "lossless": ok,
                         "total us": r["step_total_us"], "x floor": r["floor_ratio"],
                         **{p: r[f"{p}_us"] for p in PHASE_COLS}, "graph": r["cuda_graph"]})
         out += [{"c": c, "decoder": "baseline", "acceptance": b["label"], "tok/s": b["output_tok_per_s"]}
                 for b in baseline if b["concurrency"] == c]
-    fit(out, key=("c", "decoder", "budget", "acceptance", "tok/s", "x AR"), console=console,
+    fit(out, key=("c", "decoder", "budget", "acceptance", "tok/s", "steady", "x AR"), console=console,
         title=("CPU TOY RUN (tiny model, host timings: not comparable with GPU numbers) " if toy else "")
-        + "ddbench e2e: tok/s projected (step + host (+ modelled comm when simulated)); acc len = mean "
-          "accepted; experts = measured distinct per MoE layer; phases in us")
+        + "ddbench e2e: tok/s projected (step + host (+ modelled comm when simulated)) for the batch "
+          "until its last stream is done; steady = while all c streams generate (a server refilling "
+          "streams; pred and x AR are steady); acc len = mean accepted; experts = measured distinct "
+          "per MoE layer; phases in us")
 
 
 AUTO_GRID = [8, 32, 128]      # --budget auto alone: the fit grid
@@ -597,12 +607,37 @@ def run(*, preset: str | None, tp: int | None, simulate_rank: int | None, gpus: 
                 writer.meta["gpu_mem_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         writer.meta["errors"] = errors
     print_table(console, writer.rows, baseline_rows([baseline]) if cuda else [])
+    for line in model_check(writer.rows):
+        console.print(line)
     console.print(f"wrote {writer.path}")
     if errors:
         for e in errors:
             console.print(f"FAILED {e}", style="red")
         raise SystemExit(1)
     return writer.path
+
+
+def model_check(rows: list[dict]) -> list[str]:
+    """How far the cost model's prediction is from the measured steady rate (worst row per
+    concurrency), and how far each `--budget auto` row is from the best measured budget of
+    its concurrency and acceptance (steady tok/s)."""
+    def tps(r):
+        return r.get("steady_tok_per_s")
+    spec = [r for r in rows if r["decoder"] == "ddtree" and tps(r)]
+    out = []
+    for c in sorted({r["concurrency"] for r in spec}):
+        errs = [(r["predicted_tok_per_s"] / tps(r) - 1, r) for r in spec
+                if r["concurrency"] == c and r.get("predicted_tok_per_s")]
+        if errs:
+            e, r = max(errs, key=lambda t: abs(t[0]))
+            out.append(f"cost model vs steady tok/s, c={c}: worst {e:+.1%} ({r['acceptance']} budget {r['budget']}, "
+                       f"predicted {r['predicted_tok_per_s']:.0f} vs {tps(r):.0f}) over {len(errs)} rows")
+        for a in [r for r in spec if r["concurrency"] == c and r.get("budget_auto")]:
+            peers = [r for r in spec if r["concurrency"] == c and r["acceptance"] == a["acceptance"]]
+            best = max(peers, key=tps)
+            out.append(f"budget auto, c={c} {a['acceptance']}: budget {a['budget']} {tps(a):.0f} tok/s, best measured "
+                       f"budget {best['budget']} {tps(best):.0f} ({tps(a) / tps(best) - 1:+.1%})")
+    return out
 
 
 TARGETS = {1: 700.0, 10: 2000.0}      # issue 10: projected TP-8 tok/s at TAU = 6

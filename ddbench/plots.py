@@ -333,6 +333,9 @@ def e2e_frame(runs, labels=None) -> pd.DataFrame:
     df = pd.concat(frames, ignore_index=True)
     for c in ("concurrency", "budget", "output_tok_per_s", "step_total_us", "floor_plus_comm_us"):
         df[c] = num(df, c)
+    # `_tps`: the steady rate (every stream generating) where the run measured it, else the batch's
+    df["_tps"] = num(df, "steady_tok_per_s").fillna(df["output_tok_per_s"]) if "steady_tok_per_s" in df \
+        else df["output_tok_per_s"]
     prof = pd.Series("", index=df.index, dtype=object)
     for col in ("acceptance", "profile"):  # the profile where given, else the --acceptance spec
         if col in df:
@@ -361,17 +364,17 @@ def e2e(runs, labels, out, fmt, reference=None):
         for ax, c in zip(axes[0], concs):
             s = spec[spec["concurrency"] == c]
             for prof, g in s.groupby("_profile"):
-                g = g.groupby("budget")[["output_tok_per_s"] + ([pred] if pred else [])].mean().sort_index()
-                line, = ax.plot(g.index, g["output_tok_per_s"], "o" if pred else "o:", label=f"{prof} measured")
+                g = g.groupby("budget")[["_tps"] + ([pred] if pred else [])].mean().sort_index()
+                line, = ax.plot(g.index, g["_tps"], "o" if pred else "o:", label=f"{prof} measured")
                 if pred:
                     ax.plot(g.index, g[pred], "-", color=line.get_color(), label=f"{prof} model")
             a = ar[ar["concurrency"] == c]
             if len(a):
-                ax.axhline(a["output_tok_per_s"].max(), color="gray", ls=":", label="engine AR")
+                ax.axhline(a["_tps"].max(), color="gray", ls=":", label="engine AR")
             for name, tps in (reference or {}).get(int(c), []):
                 ax.axhline(tps, color="black", ls="--", lw=1, label=name)
             _log2_x(ax)
-            ax.set(xlabel="tree budget (nodes per stream)", ylabel="output tok/s", title=f"c={int(c)}")
+            ax.set(xlabel="tree budget (nodes per stream)", ylabel="output tok/s (steady: every stream generating)", title=f"c={int(c)}")
             ax.grid(alpha=0.3)
             _legend(ax)
         fig.suptitle(f"e2e: tok/s vs budget\n{where}", fontsize=10)
@@ -393,8 +396,8 @@ def e2e(runs, labels, out, fmt, reference=None):
         _legend(ax)
         made.append(("e2e: mean accepted length vs budget", save(fig, out, "e2e_accepted", fmt)))
     # the step of each (decoder/profile, concurrency) at its best budget
-    best = df.dropna(subset=["output_tok_per_s"])
-    best = best.loc[best.groupby(["decoder", "_profile", "concurrency"])["output_tok_per_s"].idxmax()]
+    best = df.dropna(subset=["_tps"])
+    best = best.loc[best.groupby(["decoder", "_profile", "concurrency"])["_tps"].idxmax()]
     if len(best):
         xl = [("AR" if r["decoder"] == "ar" else r["_profile"])
               + f"\nc={int(r['concurrency'])}" + (f" b={int(r['budget'])}" if r["decoder"] != "ar" else "")

@@ -228,20 +228,20 @@ def table_e2e(runs, reference: dict) -> list[str]:
     acc = first_col(df, "mean_accepted_len", "mean_accepted", "accepted_mean")
     experts = first_col(df, "experts_measured")   # the formula's experts_touched is no measurement
     routing = first_col(df, "routing")
-    best = df.dropna(subset=["output_tok_per_s"])
-    best = best.loc[best.groupby(["decoder", "_profile", "concurrency"])["output_tok_per_s"].idxmax()]
+    best = df.dropna(subset=["_tps"])
+    best = best.loc[best.groupby(["decoder", "_profile", "concurrency"])["_tps"].idxmax()]
     rows = []
     for _, r in best.sort_values(["concurrency", "decoder", "_profile"]).iterrows():
         c = _i(r["concurrency"])
         ref = max((t for _, t in reference.get(c, [])), default=None)
-        tps = _f(r["output_tok_per_s"])
+        tps = _f(r["_tps"])
         rows.append([r["_run"], c, r["decoder"], "" if r["decoder"] == "ar" else r["_profile"],
                      (r.get(routing) if routing and isinstance(r.get(routing), str) else "random-weight router"),
-                     None if r["decoder"] == "ar" else _i(r.get("budget")), tps,
+                     None if r["decoder"] == "ar" else _i(r.get("budget")), tps, _f(r["output_tok_per_s"]),
                      _f(r.get(pred)) if pred else None, _f(r.get(acc)) if acc else None,
                      _f(r.get(experts)) if experts else None, _f(r.get("step_total_us")),
                      f"{tps / ref:.2f}x" if ref and tps else None])
-    head = ["run", "c", "decoder", "profile", "routing", "best budget", "tok/s", "predicted tok/s",
+    head = ["run", "c", "decoder", "profile", "routing", "best budget", "tok/s (steady)", "batch tok/s", "predicted tok/s",
             "mean accepted", "experts/layer", "step (us)", "vs SGLang"]
     keep = [i for i, h in enumerate(head) if any(row[i] not in (None, "") for row in rows)]
     lines = md_table([head[i] for i in keep], [[row[i] for i in keep] for row in rows])
@@ -310,7 +310,7 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
     df = e2e_frame(by_cmd.get("e2e", []))
     flattered = False
     if not df.empty:
-        df = df.dropna(subset=["output_tok_per_s"])
+        df = df.dropna(subset=["_tps"])
         df = df.assign(_honest=[honest_routing(r) for _, r in df.iterrows()])
         # the DDTree headline: honest routing and a named rank profile where any row has them
         dd = df[df.decoder == "ddtree"]
@@ -322,8 +322,8 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
         for _, r in pd.concat([df[df.decoder != "ddtree"], dd]).iterrows():
             c = int(r["concurrency"])
             which = spec if r["decoder"] == "ddtree" else ar
-            if r["output_tok_per_s"] > which.get(c, (0, ""))[0]:
-                which[c] = (r["output_tok_per_s"], r["_profile"] + (f" b={int(r['budget'])}" if r["decoder"] != "ar" else ""))
+            if r["_tps"] > which.get(c, (0, ""))[0]:
+                which[c] = (r["_tps"], r["_profile"] + (f" b={int(r['budget'])}" if r["decoder"] != "ar" else ""))
     rows = []
     for c in KEY_CONCURRENCY:
         ref = max((t for _, t in reference.get(c, [])), default=None)
@@ -452,8 +452,8 @@ def _engine_series(by_cmd) -> list[tuple[str, dict]]:
         series.append(("engine decode (AR), latest run", dec))
     df = e2e_frame(by_cmd.get("e2e", []))
     if not df.empty:
-        s = df[df["decoder"] == "ddtree"].dropna(subset=["output_tok_per_s"])
-        best = s.groupby("concurrency")["output_tok_per_s"].max()
+        s = df[df["decoder"] == "ddtree"].dropna(subset=["_tps"])
+        best = s.groupby("concurrency")["_tps"].max()
         if len(best):
             series.append(("engine e2e DDTree, best profile and budget", {int(c): float(t) for c, t in best.items()}))
     return series

@@ -312,6 +312,16 @@ class RunStats:
     step_us: list = field(default_factory=list)   # device time of each step
     wall_us: float = 0.0
     cuda_graph: bool = False
+    full_steps: int = 0                # steps at which every stream was still generating
+    full_stream_steps: int = 0         # streams x those steps
+    full_accepted: int = 0             # tokens those steps gained (uncapped)
+    full_step_us: float = 0.0          # their device time
+
+    @property
+    def steady_accepted(self) -> float | None:
+        """Tokens per stream and step while every stream generates (the rate a server that
+        refills finished streams keeps up); None when no step had every stream active."""
+        return None if not self.full_steps else self.full_accepted / self.full_stream_steps
 
     @property
     def device_us(self) -> float:
@@ -431,9 +441,12 @@ class _Stepper:
                 us = a.elapsed_time(b) * 1e3 if cuda else (b - a) * 1e6
                 phase_us[p] += us
                 per_step[-1] += us
+        full = [i for i in range(used) if active[i] == sess.n]
         return RunStats(steps=used, tokens=int(sum(tokens[:used])), stream_steps=int(sum(active[:used])),
                         accepted=int(sum(accepted[:used])),
-                        phase_us=phase_us, step_us=per_step, wall_us=wall * used / max(steps, 1), cuda_graph=self.graphs is not None)
+                        phase_us=phase_us, step_us=per_step, wall_us=wall * used / max(steps, 1), cuda_graph=self.graphs is not None,
+                        full_steps=len(full), full_stream_steps=int(sum(active[i] for i in full)), full_accepted=int(sum(accepted[i] for i in full)),
+                        full_step_us=sum(per_step[i] for i in full))
 
     @staticmethod
     def _stamp(cuda):

@@ -44,3 +44,17 @@ def test_best_budget_is_the_argmax():
     all_pred = {bb: m.tok_per_s(10, bb, curve[bb]) for bb in range(4, 129)}
     assert pred == max(all_pred.values()) and all_pred[b] == pred
     assert 4 < b < 128                                                     # an interior optimum here
+
+
+def test_model_check_names_the_worst_row_and_the_auto_gap():
+    from ddbench.e2e import model_check
+
+    row = dict(decoder="ddtree", concurrency=10, acceptance="rank:x")
+    rows = [dict(decoder="ar", concurrency=10, steady_tok_per_s=700.0),
+            {**row, "budget": 8, "steady_tok_per_s": 1000.0, "predicted_tok_per_s": 1050.0},
+            {**row, "budget": 32, "steady_tok_per_s": 800.0, "predicted_tok_per_s": 960.0},
+            {**row, "budget": 16, "budget_auto": True, "steady_tok_per_s": 950.0, "predicted_tok_per_s": 1100.0},
+            {**row, "budget": 128, "steady_tok_per_s": None, "predicted_tok_per_s": 500.0}]   # no steady window
+    lines = model_check(rows)
+    assert lines[0].startswith("cost model vs steady tok/s, c=10: worst +20.0% (rank:x budget 32") and "3 rows" in lines[0]
+    assert lines[1] == ("budget auto, c=10 rank:x: budget 16 950 tok/s, best measured budget 8 1000 (-5.0%)")

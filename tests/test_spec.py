@@ -235,3 +235,21 @@ def test_profile_files(tmp_path):
                  "synthetic:30", "greedy"):
         with pytest.raises(ConfigError):
             parse_acceptance(text, 7)
+
+
+def test_steady_counts_only_steps_with_every_stream_generating(models, reference):
+    """c3 with limits (14, 5, 14): stream 1 is done after its 4 new tokens, so the steady
+    window is the steps before that (each of the 3 streams gains 1 token an AR step), and
+    the batch keeps stepping for the others."""
+    _, target, drafter = models
+    prompts, limits, _ = reference["c3"]
+    s = Session(target, None, 3, max_prompt=11, max_new=NEW)
+    s.prefill(prompts, limits)
+    st = ARStep(s).run()
+    assert st.steps == NEW - 1 and st.full_steps == 5 - 1
+    assert st.full_accepted == 3 * st.full_steps and st.steady_accepted == 1.0
+    assert st.full_step_us == pytest.approx(sum(st.step_us[:st.full_steps]))
+    # a SpecStep run: the steady window is a strict prefix, at least one token a stream and step
+    s2, sp = spec_run(target, drafter, prompts, limits, 6)
+    assert 0 < sp.full_steps < sp.steps and sp.steady_accepted >= 1.0
+    assert sp.full_accepted <= sp.accepted

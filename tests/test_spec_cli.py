@@ -39,7 +39,8 @@ def test_e2e_rows_and_columns(e2e_run):
                 "mean_accepted", "step_total_us", "draft_us", "tree_us", "verify_attention_us", "verify_moe_us",
                 "verify_other_us", "comm_us", "accept_us", "host_us", "floor_us", "cuda_graph", "routing",
                 "experts_measured", "experts_uniform", "expected_accepted", "predicted_tok_per_s", "budget_auto",
-                "step_us_p20", "step_us_p80", "mismatches_tied", "mismatches_real"):
+                "step_us_p20", "step_us_p80", "mismatches_tied", "mismatches_real", "steady_tok_per_s",
+                "steady_steps", "steady_accepted"):
         assert col in df.columns, col
     ar = df[df.decoder == "ar"]
     assert list(ar.acceptance) == ["none", "none"] and (ar.mean_accepted == 1.0).all()
@@ -53,6 +54,12 @@ def test_e2e_rows_and_columns(e2e_run):
     assert (real.mismatches_tied == 0).all() and (real.mismatches_real == 0).all()
     assert (df.tokens == df.concurrency * 4).all()             # new tokens - the prefill's first
     assert (df.output_tok_per_s > 0).all()
+    # c=2 with prompt lengths 5 and 9 and equal limits: AR streams finish together, so the
+    # steady rate is the batch's; every row has a steady window
+    assert (df.steady_steps >= 1).all() and (df.steady_tok_per_s > 0).all()
+    ar2 = ar[ar.concurrency == 2].iloc[0]
+    assert ar2.steady_steps == ar2.steps and ar2.steady_accepted == 1.0
+    assert ar2.steady_tok_per_s == pytest.approx(2e6 / ar2.step_total_us, rel=0.05)
     assert (spec[spec.acceptance == "real"].matches_ar == True).all()  # noqa: E712 - NaN must fail      # lossless vs AR, same run
     syn = spec[spec.acceptance == "synthetic:3"]
     assert (syn.mean_accepted > 1.5).all() and (syn.tau_target == 3.0).all()
@@ -77,6 +84,8 @@ def test_e2e_budget_auto(tmp_path):
     auto = df[df.budget_auto == True]  # noqa: E712
     assert len(auto) == 1 and int(auto.budget.iloc[0]) in range(2, 5) and auto.predicted_tok_per_s.iloc[0] > 0
     assert (df[df.decoder == "ddtree"].predicted_tok_per_s > 0).all()
+    text = " ".join(r.output.split())       # rich wraps at the terminal's width
+    assert "cost model vs steady tok/s, c=1: worst" in text and "best measured budget" in text
 
 
 def test_e2e_layout_default_and_fit_check(tmp_path, monkeypatch):

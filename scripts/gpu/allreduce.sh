@@ -5,14 +5,15 @@
 #   2. the launcher: --gpus 1, eager + CUDA graph, 8 B .. 256 MiB + TP decode messages, --model
 #   3. the torchrun path: torch.distributed.run --nproc-per-node 1, eager + graph, up to 1 MiB
 #   4. ddbench report on these CSVs (busbw and time-vs-size plots)
-# Writes results/h200/allreduce/<UTC stamp>_1gpu and _torchrun_1gpu (CSV + JSON sidecar), plots under
+# Writes results/<gpu>/allreduce/<UTC stamp>_1gpu and _torchrun_1gpu (CSV + JSON sidecar), plots under
 # results/report/allreduce/, logs/allreduce_gpu_<stamp>.log; the run's files are copied to $OUT if set.
 # Expected runtime: about 1-2 minutes (well under 4).
 cd "$(dirname "$0")/../.."
+. scripts/gpu/lib.sh
 set -o pipefail  # a step fails when its command fails, not its tee
 stamp=$(date -u +%Y%m%d-%H%M%S)
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-dir=results/h200/allreduce
+dir=$RES/allreduce
 mkdir -p "$dir" logs
 log() { tee -a "logs/allreduce_gpu_$stamp.log"; }
 
@@ -32,7 +33,7 @@ timeout 120 python3 -m ddbench report "$dir" --out results/report/allreduce 2>&1
 STAMP=$stamp python3 - <<'PY' || echo "FAILED allreduce summary"
 import glob, json, os
 import pandas as pd
-for f in sorted(glob.glob(f"results/h200/allreduce/{os.environ['STAMP']}_*.csv")):
+for f in sorted(glob.glob(f"{os.environ['RES']}/allreduce/{os.environ['STAMP']}_*.csv")):
     d = pd.read_csv(f)
     print(f"\n== {f}: {len(d)} rows, wrong total {int(d.wrong.sum())}")
     pick = d[(d.tokens > 0) | d.size_bytes.isin([8, 2**16, 2**20, 2**24, 2**28])]

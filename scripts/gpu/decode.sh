@@ -14,13 +14,14 @@
 #   3. ddbench report on the CSV (stacked per-phase step time)
 #   (the kernel-by-kernel profile and the skinny-GEMM bench are experiments:
 #    experiments/README.md)
-# Writes results/h200/decode/<UTC stamp>.{csv,json}, its plot under results/report/decode/ and
+# Writes results/<gpu>/decode/<UTC stamp>.{csv,json}, its plot under results/report/decode/ and
 # logs/decode_gpu_<stamp>.log; the run's files are copied to $OUT if set.
 # Expected runtime: about 3-4 minutes (init ~20 s, Triton compiles ~30-60 s, decode < 30 s).
 cd "$(dirname "$0")/../.."
+. scripts/gpu/lib.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
-dir=results/h200/decode
+dir=$RES/decode
 stamp=$(date -u +%Y%m%d-%H%M%S)
 mkdir -p "$dir" logs
 log() { tee -a "logs/decode_gpu_$stamp.log"; }
@@ -44,7 +45,7 @@ STAMP=$stamp python3 - <<'PY' || echo "FAILED decode summary"
 import glob, json, os
 import pandas as pd
 pd.set_option("display.width", 250)
-for f in sorted(glob.glob(f"results/h200/decode/{os.environ['STAMP']}.csv")):
+for f in sorted(glob.glob(f"{os.environ['RES']}/decode/{os.environ['STAMP']}.csv")):
     d = pd.read_csv(f)
     meta = json.load(open(f[:-4] + ".json"))
     print(f"\n== {f}: {meta.get('preset')} tp={meta.get('tp')} {meta.get('mode')} init={meta.get('init')} "

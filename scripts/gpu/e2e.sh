@@ -12,13 +12,14 @@
 # Acceptance synthetic TAU = 3, 6, 9 (random weights cannot accept for real), AR beside,
 # projected TP-8 numbers (measured rank compute + modelled NVLink all-reduce).
 # A timed-out step is stopped with SIGINT, so its CSV keeps the rows already measured.
-# Writes results/h200/e2e/<UTC stamp>_c1 and _c10 (.csv + .json sidecar) and logs/e2e_<stamp>.log;
+# Writes results/<gpu>/e2e/<UTC stamp>_c1 and _c10 (.csv + .json sidecar) and logs/e2e_<stamp>.log;
 # copies them to $OUT if set.
 cd "$(dirname "$0")/../.." || exit 1
+. scripts/gpu/lib.sh
 set -o pipefail
 PY=${PYTHON:-python3}
 STAMP=$(date -u +%Y%m%d-%H%M%S)
-RES=results/h200/e2e
+RES=$RES/e2e
 mkdir -p "$RES" logs
 LOG=logs/e2e_$STAMP.log
 ACC=synthetic:3,synthetic:6,synthetic:9

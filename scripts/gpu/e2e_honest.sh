@@ -8,18 +8,21 @@
 #    sibling gain) and synthetic:6, AR beside. One process: the model is built once.  <= ~6 min
 # 2. the same at c=10, budgets 32 and 128, with the router's own choice (--routing model),
 #    to show what random weights route.                                               <= ~2 min
+# 128 new tokens a stream (NEW_TOKENS): enough steps at c=10 with every stream still generating
+# for the steady rate (`steady_tok_per_s`, what the cost model predicts) to average over ~20.
 # Each step is stopped with SIGINT at its cap (CAP1, CAP2 seconds), so its CSV keeps the rows measured.
-# Writes results/h200/e2e/<UTC stamp>_honest(.csv, .json) and _honest_model; logs/e2e_honest_<stamp>.log.
+# Writes results/<gpu>/e2e/<UTC stamp>_honest(.csv, .json) and _honest_model; logs/e2e_honest_<stamp>.log.
 cd "$(dirname "$0")/../.." || exit 1
+. scripts/gpu/lib.sh
 set -o pipefail
 PY=${PYTHON:-python3}
 STAMP=$(date -u +%Y%m%d-%H%M%S)
-RES=results/h200/e2e
-mkdir -p "$RES" logs
+E2E=$RES/e2e
+mkdir -p "$E2E" logs
 LOG=logs/e2e_honest_$STAMP.log
 ACC=rank:dflash-k25-gsm8k-paper,rank:dflash-k25-gsm8k-small,rank:dflash-k25-mtbench-paper
 ACC=$ACC,rank:dflash-k25-mtbench-small,synthetic:6
-COMMON="--preset k2.6 --tp 8 --simulate-rank 0 --prompt-len 128 --new-tokens 64 --out $RES"
+COMMON="--preset k2.6 --tp 8 --simulate-rank 0 --prompt-len 128 --new-tokens ${NEW_TOKENS:-128} --out $E2E"
 rc=0
 echo "== e2e uniform routing, c=1,10, budgets 8..256 + auto ==" | tee "$LOG"
 timeout -s INT "${CAP1:-390}" "$PY" -m ddbench e2e $COMMON --routing uniform --concurrency 1,10 \
@@ -27,5 +30,5 @@ timeout -s INT "${CAP1:-390}" "$PY" -m ddbench e2e $COMMON --routing uniform --c
 echo "== e2e router's own routing (random weights), c=10 ==" | tee -a "$LOG"
 timeout -s INT "${CAP2:-150}" "$PY" -m ddbench e2e $COMMON --routing model --concurrency 10 --budget 32,128 \
     --acceptance rank:dflash-k25-gsm8k-paper,synthetic:6 --name "${STAMP}_honest_model" 2>&1 | tee -a "$LOG" || rc=1
-if [ -n "$OUT" ]; then cp "$RES/${STAMP}"_honest* "$LOG" "$OUT"/ 2>/dev/null; fi
+if [ -n "$OUT" ]; then cp "$E2E/${STAMP}"_honest* "$LOG" "$OUT"/ 2>/dev/null; fi
 exit $rc

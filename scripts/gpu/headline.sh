@@ -15,8 +15,7 @@ cd "$(dirname "$0")/../.." || exit 1
 export PYTHONUNBUFFERED=1
 HERE=$PWD
 STAMP=$(date -u +%Y%m%d-%H%M%S)
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oi '[ahb][0-9]\{2,3\}' | tr A-Z a-z)
-RES=results/${GPU:-h200}
+. scripts/gpu/lib.sh
 mkdir -p logs $RES/moe-sweep $RES/e2e
 LOG=$HERE/logs/headline_$STAMP.log
 pack() { [ -z "$OUT" ] || tar czf "$OUT/headline_$STAMP.tar.gz" -C "$HERE" $RES logs 2>/dev/null; }

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # INT4 MoE GEMM on one H200: GPU tests of the Triton kernel, then `ddbench moe-sweep` at the
 # K2.6 TP-8 rank shard and the whole layer (TP-1), torch reference and triton, with --check.
-# Writes results/h200/moe-sweep/<UTC stamp>_tp8, _tp1 and _tp8_routings (.csv + .json sidecar),
+# Writes results/<gpu>/moe-sweep/<UTC stamp>_tp8, _tp1 and _tp8_routings (.csv + .json sidecar),
 # copies them and logs to $OUT if set. Expected runtime: about 3.5-4 minutes (measured 2026-12-02: ~95 s for
 # both sweeps with warm kernel caches, plus tests and compiles; most of it the slow torch
 # reference and the fp32 checks). MOE_TILES=file.json passes a tile table (--tiles).
 cd "$(dirname "$0")/../.." || exit 1
-R=results/h200/moe-sweep
+. scripts/gpu/lib.sh
+R=$RES/moe-sweep
 STAMP=$(date -u +%Y%m%d-%H%M%S)
 TMP=$(mktemp -d)
 LOG=${OUT:-$TMP}/moe_logs
@@ -48,7 +49,7 @@ import os
 import pandas as pd
 for tp in (8, 1):
     try:
-        df = pd.read_csv(f"results/h200/moe-sweep/{os.environ['STAMP']}_tp{tp}.csv")
+        df = pd.read_csv(f"{os.environ['RES']}/moe-sweep/{os.environ['STAMP']}_tp{tp}.csv")
     except OSError:
         print(f"tp{tp}: no CSV"); continue
     lay = df[df.stage == "layer"]

@@ -10,8 +10,7 @@
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONUNBUFFERED=1
 STAMP=$(date -u +%Y%m%d-%H%M%S)
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oi '[ahb][0-9]\{2,3\}' | tr A-Z a-z)
-RES=results/${GPU:-h200}
+. scripts/gpu/lib.sh
 mkdir -p logs
 LOG=logs/newcomer_$STAMP.log
 DEC="--preset k2.6 --tp 8 --simulate-rank 0 --concurrency 1,10 --prompt-len 128 --new-tokens 64 --allreduce-model nvlink-h200"

@@ -15,13 +15,14 @@
 # Expected runtime: about 4 minutes (tests ~70 s incl. Triton compiles, sweep ~80 s + 0.2 s of warm-up
 # replays per CUDA-graph row since 4d887ef, tune ~50 s);
 # each step has its own timeout (80 + 130 + 55 s), so at most 4.5 minutes.
-# Writes results/h200/tree-bench/<UTC stamp>.{csv,json}, <UTC stamp>_tune.{csv,json} and
+# Writes results/<gpu>/tree-bench/<UTC stamp>.{csv,json}, <UTC stamp>_tune.{csv,json} and
 # logs/tree_<stamp>.log; copies them to $OUT/tree/ if $OUT is set. Run from the repo root: bash scripts/gpu/tree.sh
 cd "$(dirname "$0")/../.." || exit 1
+. scripts/gpu/lib.sh
 set -o pipefail  # a step fails when its command fails, not its tee
 PY=${PYTHON:-python3}
 STAMP=$(date -u +%Y%m%d-%H%M%S)
-RES=results/h200/tree-bench
+RES=$RES/tree-bench
 mkdir -p "$RES" logs
 LOG=logs/tree_$STAMP.log
 NAME=$STAMP
