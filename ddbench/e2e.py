@@ -38,7 +38,9 @@ How a run is timed (engine/spec.py has the loop):
   the step is not a CUDA graph).
 - `--budget auto` (engine/cost_model.py): each phase's cost fitted by least squares over
   the measured grid, the budget with the best predicted tok/s per concurrency and drawn
-  acceptance measured again (`budget_auto` True); `predicted_tok_per_s` beside measured.
+  acceptance measured again (`budget_auto` True); `predicted_tok_per_s` (= c x
+  `predicted_accepted` / `predicted_step_us`) beside measured; `steady_accepted_se` is the
+  standard error of the drawn acceptance over the steady steps.
 
 Acceptance: `real` (the true greedy walk), `synthetic:TAU`, `profile:FILE`, `rank:PROFILE`
 (engine/spec.py, engine/acceptance.py); `expected_accepted` is the analytic mean tokens per
@@ -182,6 +184,7 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
         "steady_tok_per_s": _fmt(c * st.steady_accepted / (st.full_step_us / st.full_steps + host_us + comm_us) * 1e6)
         if st.full_steps else None,
         "steady_steps": st.full_steps, "steady_accepted": _fmt(st.steady_accepted, 3),
+        "steady_accepted_se": _fmt(st.full_accepted_se, 3),
         "measured_tok_per_s": _fmt(st.tokens / st.wall_us * 1e6) if st.wall_us else None,
         "draft_us": _fmt(ph.get("draft", 0.0) + ph.get("context", 0.0)),
         "draft_forward_us": _fmt(ph.get("draft", 0.0)), "context_us": _fmt(ph.get("context", 0.0)),
@@ -302,20 +305,23 @@ def auto_budgets(rows: list[dict], accs: list, depth: int, topk: int | None, gri
                             **{f"{p}_us": r[f"{p}_us"] or 0.0 for p in PHASE_COLS}} for r in spec])
     k = topk or 16
     curves = {a.label: a.expected_curve(depth, k, max(grid)) for a in accs if a.mode != "real"}
+    def prediction(c, b, label, context=None) -> dict:
+        step = model.step_us(c, b, context=context, acceptance=label)
+        e = curves[label][b]
+        return {"predicted_tok_per_s": _fmt(c * e / step * 1e6), "predicted_step_us": _fmt(step),
+                "predicted_accepted": _fmt(e, 3)}
+
     for r in rows:
-        curve = curves.get(r["acceptance"])
-        if r["decoder"] == "ddtree" and curve is not None:
-            r["predicted_tok_per_s"] = _fmt(model.tok_per_s(r["concurrency"], r["budget"], curve[r["budget"]],
-                                                            context=r["context"]))
+        if r["decoder"] == "ddtree" and r["acceptance"] in curves:
+            r.update(prediction(r["concurrency"], r["budget"], r["acceptance"], r["context"]))
         on_row(r)
     for c in sorted({r["concurrency"] for r in spec}):
         for acc in [a for a in accs if a.mode != "real"]:
-            b, pred = model.best_budget(c, curves[acc.label], min(grid), max(grid))
+            b, pred = model.best_budget(c, curves[acc.label], min(grid), max(grid), acceptance=acc.label)
             say(f"budget auto: c={c} {acc.label}: budget {b}, predicted {pred:.1f} tok/s")
 
-            def put(row, pred=pred):
-                on_row({**row, "budget_auto": True, "predicted_tok_per_s": _fmt(pred),
-                        "label": row["label"] + " (auto budget)"})
+            def put(row, b=b, label=acc.label, c=c):
+                on_row({**row, "budget_auto": True, **prediction(c, b, label), "label": row["label"] + " (auto budget)"})
             measure(c, b, [acc], put)
 
 
@@ -617,21 +623,33 @@ def run(*, preset: str | None, tp: int | None, simulate_rank: int | None, gpus: 
     return writer.path
 
 
-def model_check(rows: list[dict]) -> list[str]:
-    """How far the cost model's prediction is from the measured steady rate (worst row per
-    concurrency), and how far each `--budget auto` row is from the best measured budget of
-    its concurrency and acceptance (steady tok/s)."""
+def model_check(rows: list[dict], tol: float = 0.10) -> list[str]:
+    """The cost model against the measured rows, per concurrency: its step time, its tok/s
+    against the steady rate, and for rows off by more than `tol` how far the drawn acceptance
+    was from its expectation (in standard errors of the run's steps: a short run's sampling, not
+    the model's error); then each `--budget auto` row against the best measured budget of its
+    concurrency and acceptance (steady tok/s)."""
     def tps(r):
         return r.get("steady_tok_per_s")
     spec = [r for r in rows if r["decoder"] == "ddtree" and tps(r)]
     out = []
     for c in sorted({r["concurrency"] for r in spec}):
-        errs = [(r["predicted_tok_per_s"] / tps(r) - 1, r) for r in spec
-                if r["concurrency"] == c and r.get("predicted_tok_per_s")]
-        if errs:
-            e, r = max(errs, key=lambda t: abs(t[0]))
-            out.append(f"cost model vs steady tok/s, c={c}: worst {e:+.1%} ({r['acceptance']} budget {r['budget']}, "
-                       f"predicted {r['predicted_tok_per_s']:.0f} vs {tps(r):.0f}) over {len(errs)} rows")
+        pr = [r for r in spec if r["concurrency"] == c and r.get("predicted_tok_per_s")]
+        if pr:
+            err = {id(r): r["predicted_tok_per_s"] / tps(r) - 1 for r in pr}
+            w = max(pr, key=lambda r: abs(err[id(r)]))
+            line = (f"cost model, c={c}: tok/s vs steady worst {err[id(w)]:+.1%} ({w['acceptance']} budget "
+                    f"{w['budget']}), {sum(abs(e) <= tol for e in err.values())} of {len(pr)} rows within {tol:.0%}")
+            st = [r for r in pr if r.get("predicted_step_us")]
+            if st:
+                ws = max(st, key=lambda r: abs(r["predicted_step_us"] / r["step_total_us"] - 1))
+                line += f"; step time worst {ws['predicted_step_us'] / ws['step_total_us'] - 1:+.1%}"
+            out.append(line)
+            off = [r for r in pr if abs(err[id(r)]) > tol and r.get("predicted_accepted") and r.get("steady_accepted_se")]
+            if off:
+                z = [(r["predicted_accepted"] - r["steady_accepted"]) / r["steady_accepted_se"] for r in off]
+                out.append(f"  rows off by more than {tol:.0%}: drawn acceptance {min(z):.1f} to {max(z):.1f} standard "
+                           f"errors below its expectation ({sum(v > 2 for v in z)} of {len(off)} beyond 2)")
         for a in [r for r in spec if r["concurrency"] == c and r.get("budget_auto")]:
             peers = [r for r in spec if r["concurrency"] == c and r["acceptance"] == a["acceptance"]]
             best = max(peers, key=tps)

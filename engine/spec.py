@@ -316,6 +316,7 @@ class RunStats:
     full_stream_steps: int = 0         # streams x those steps
     full_accepted: int = 0             # tokens those steps gained (uncapped)
     full_step_us: float = 0.0          # their device time
+    full_accepted_se: float | None = None   # standard error of steady_accepted (spread of those steps)
 
     @property
     def steady_accepted(self) -> float | None:
@@ -446,7 +447,10 @@ class _Stepper:
                         accepted=int(sum(accepted[:used])),
                         phase_us=phase_us, step_us=per_step, wall_us=wall * used / max(steps, 1), cuda_graph=self.graphs is not None,
                         full_steps=len(full), full_stream_steps=int(sum(active[i] for i in full)), full_accepted=int(sum(accepted[i] for i in full)),
-                        full_step_us=sum(per_step[i] for i in full))
+                        full_step_us=sum(per_step[i] for i in full),
+                        full_accepted_se=float(torch.tensor([accepted[i] / active[i] for i in full],
+                                                            dtype=torch.float64).std() / len(full) ** 0.5)
+                        if len(full) > 1 else None)
 
     @staticmethod
     def _stamp(cuda):

@@ -95,10 +95,7 @@ mla_decode(const unsigned short* q, int s_qb,                     // [B, NH, DN 
     for (int i = t; i < VC * L / 8; i += THREADS)
         cp_async16(smem_addr(wuv + i * 8), wh + (long)(DN + c * VC + i / (L / 8)) * L + i % (L / 8) * 8);
     asm volatile("cp.async.commit_group;");
-    if (pdl) {
-        asm volatile("griddepcontrol.wait;" ::: "memory");
-        asm volatile("griddepcontrol.launch_dependents;");
-    }
+    pdl_enter(pdl ? 2 : 0);
     // 2. the new token's row, the query
     if (cached >= p0 && cached < p1 && t < ROW / 8) load_row(cached - p0, t);
     asm volatile("cp.async.commit_group;");

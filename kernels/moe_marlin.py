@@ -122,10 +122,10 @@ def emulate_a_fragment(word: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str, ng: int, stages: int, warps: int, group: int, hidden: int, inter: int, top_k: int,
-            device: torch.device, w2b: int = 2):
+            device: torch.device, w2b: int = 2, minb: int = 1):
     from ddbench.kernels.cuda import Kernel
     return Kernel("moe_marlin.cu", name, {"NG": ng, "STAGES": stages, "WARPS": warps, "G": group, "H": hidden,
-                                          "I": inter, "TOPK": top_k, "W2B": w2b}, device)
+                                          "I": inter, "TOPK": top_k, "W2B": w2b, "MINB": minb}, device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,7 +133,7 @@ def _grid(name: str, tiles: tuple, group: int, hidden: int, inter: int, top_k: i
     from ddbench.kernels.cuda import occupancy
 
     t = dict(tiles)
-    k = _kernel(name, t["ng"], t["stages"], t["warps"], group, hidden, inter, top_k, device, t["w2b"])
+    k = _kernel(name, t["ng"], t["stages"], t["warps"], group, hidden, inter, top_k, device, t["w2b"], t["minb"])
     per_sm = occupancy(k, 32 * t["warps"], shared_bytes(t, name))
     if per_sm < 1:
         raise ValueError(f"moe_marlin: tiles {t} do not fit one SM")
@@ -141,7 +141,7 @@ def _grid(name: str, tiles: tuple, group: int, hidden: int, inter: int, top_k: i
 
 
 def _key(tiles: dict) -> tuple:
-    return tuple((k, tiles[k]) for k in ("ng", "stages", "warps", "w2b"))
+    return tuple((k, tiles[k]) for k in ("ng", "stages", "warps", "w2b", "minb"))
 
 
 _TICKETS: dict = {}
@@ -162,6 +162,7 @@ def resolve_tiles(tokens: int, top_k: int, w, device: torch.device, tiles: dict 
     """The full tile dict a call runs: tiles_for's (or `tiles`'), plus w13's `splits`."""
     t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
     t.setdefault("w2b", 2)
+    t.setdefault("minb", 1)
     if t["w2b"] not in (1, 2, 4) or w.hidden % (64 * t["w2b"]):
         raise ValueError(f"moe_marlin: w2b {t['w2b']} must be 1, 2 or 4 and divide H/64 = {w.hidden // 64}")
     grid = _grid("moe_w13", _key(t), w.group_size, w.hidden,
@@ -199,7 +200,8 @@ def marlin_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict, pdl_
     part = torch.empty(splits * rows * 2 * i if splits > 1 else 1, dtype=torch.float32, device=dev)
     tk = _tickets(dev, block_expert.numel() * (i // 64))
     key = _key(tiles)
-    k = _kernel("moe_w13", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"])
+    k = _kernel("moe_w13", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"],
+                tiles["minb"])
     grid = _grid("moe_w13", key, w.group_size, h, i, top_k, dev)
     mode = pdl.on(x, pdl_mode)
     k(grid, 32 * tiles["warps"], shared_bytes(tiles, "moe_w13"),
@@ -219,7 +221,8 @@ def marlin_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, 
     ypart = torch.empty(t * top_k, h, dtype=torch.float32, device=dev)
     tk = _tickets(dev, t * (h // (64 * tiles["w2b"])))
     key = _key(tiles)
-    k = _kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"])
+    k = _kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"],
+                tiles["minb"])
     grid = _grid("moe_w2", key, w.group_size, h, i, top_k, dev)
     mode = pdl.on(act, pdl_mode)
     k(grid, 32 * tiles["warps"], shared_bytes(tiles, "moe_w2"),

@@ -85,7 +85,7 @@ def test_e2e_budget_auto(tmp_path):
     assert len(auto) == 1 and int(auto.budget.iloc[0]) in range(2, 5) and auto.predicted_tok_per_s.iloc[0] > 0
     assert (df[df.decoder == "ddtree"].predicted_tok_per_s > 0).all()
     text = " ".join(r.output.split())       # rich wraps at the terminal's width
-    assert "cost model vs steady tok/s, c=1: worst" in text and "best measured budget" in text
+    assert "cost model, c=1: tok/s vs steady worst" in text and "best measured budget" in text
 
 
 def test_e2e_layout_default_and_fit_check(tmp_path, monkeypatch):
