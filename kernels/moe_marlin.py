@@ -30,15 +30,19 @@ MAXE = 1024            # experts the planning program takes (one thread each)
 STAGE_BYTES = 512      # per 16-byte vector a lane holds in a stage: 32 lanes x 16 bytes
 MAX_SPLITS = 32
 # (max tokens per expert T*k/E, NG 8-token groups an item, STAGES, WARPS a program, W2B w2's
-# 64-column Marlin blocks an item); first match.
+# 64-column Marlin blocks an item, MINB programs an SM the registers are sized for); first match.
 # H200, K2.6 TP-8 shard, uniform, CUDA graphs (scripts/gpu/moe_marlin_check.py, whole layer, us,
 # NG 1/2/4): T=64 338/374/658, T=128 436/429/780, T=512 755/670/959, T=2048 2372/1829/1988,
 # T=4096 4468/3367/3379; w2b 1/2/4 at NG 1: T=2 32.4/33.8/37.2, T=8 69.4/71.8/75.6, T=64
 # 340.5/335.2/351.9 (moe_marlin_check_w2_blocks.csv)
-TILES: list[tuple[float, int, int, int, int]] = [
-    (0.17, 1, 4, 4, 1),
-    (2.0, 1, 4, 4, 2),
-    (float("inf"), 2, 4, 4, 2),
+# H100, same shard (moe_marlin_check, 2026-12-05, two runs): NG 2 with 3 stages and registers
+# sized for 4 programs an SM (16 warps, MINB 4) vs 4 stages / 3 programs: T=64 420/434, 128
+# 533/553, 256 604/625, 512 721/752, 1024 1233/1246, 4096 3530/3585; at NG 1 (T <= 32) MINB 4
+# was 1-2 % slower.
+TILES: list[tuple[float, int, int, int, int, int]] = [
+    (0.17, 1, 4, 4, 1, 1),
+    (2.0, 1, 4, 4, 2, 1),
+    (float("inf"), 2, 3, 4, 2, 4),
 ]
 
 
@@ -52,10 +56,10 @@ def fits(x: torch.Tensor, topk_ids: torch.Tensor, w) -> bool:
 
 
 def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
-    """{"ng", "stages", "warps", "w2b"} of the first TILES row whose bound holds T*k/E."""
+    """{"ng", "stages", "warps", "w2b", "minb"} of the first TILES row whose bound holds T*k/E."""
     per_expert = tokens * top_k / n_experts
-    _, ng, stages, warps, w2b = next(r for r in (table or TILES) if per_expert <= r[0])
-    return {"ng": ng, "stages": stages, "warps": warps, "w2b": w2b}
+    _, ng, stages, warps, w2b, minb = next(r for r in (table or TILES) if per_expert <= r[0])
+    return {"ng": ng, "stages": stages, "warps": warps, "w2b": w2b, "minb": minb}
 
 
 def shared_bytes(tiles: dict, kernel: str = "moe_w13") -> int:
