@@ -29,9 +29,8 @@
 // atomic ticket) sums them in split order; w2's k slots are summed by the last of a token's
 // k items in slot order. Tickets are reset by their last user, so buffers stay zero.
 //
-// Compile-time: NG (8-token groups an item), STAGES, WARPS (a program), MINB (programs an SM
-// the register budget is sized for), G (group size), K dims H (hidden), I (intermediate), TOPK,
-// W2B (w2's Marlin blocks an item).
+// Compile-time: NG (8-token groups an item), STAGES, WARPS (a program), G (group size), K
+// dims H (hidden), I (intermediate), TOPK, W2B (w2's Marlin blocks an item).
 #include "common.cuh"
 
 #define CH (8 * NG)
@@ -231,7 +230,7 @@ __device__ __forceinline__ float silu_mul(float gte, float up) { return gte / (1
 
 // ------------------------------------------------------------------------------------ w13
 
-extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+extern "C" __global__ void __launch_bounds__(THREADS)
 moe_w13(const unsigned short* x,                                  // bf16 [T, H]
         const unsigned* w, const unsigned short* s,               // Marlin [E, H/16, 4I], scales [E, H/G, 2I]
         const int* sorted, const int* block_expert, const int* block_rows, const int* n_blocks,
@@ -312,7 +311,7 @@ moe_w13(const unsigned short* x,                                  // bf16 [T, H]
 
 // ------------------------------------------------------------------------------------ w2
 
-extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+extern "C" __global__ void __launch_bounds__(THREADS)
 moe_w2(const unsigned short* act,                                 // bf16 [rows_max, I] (sorted rows)
        const unsigned* w, const unsigned short* s,                // Marlin [E, I/16, 2H], scales [E, I/G, H]
        const int* sorted, const int* block_expert, const int* block_rows, const int* n_blocks,

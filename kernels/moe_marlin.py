@@ -30,19 +30,15 @@ MAXE = 1024            # experts the planning program takes (one thread each)
 STAGE_BYTES = 512      # per 16-byte vector a lane holds in a stage: 32 lanes x 16 bytes
 MAX_SPLITS = 32
 # (max tokens per expert T*k/E, NG 8-token groups an item, STAGES, WARPS a program, W2B w2's
-# 64-column Marlin blocks an item, MINB programs an SM the registers are sized for); first match.
+# 64-column Marlin blocks an item); first match.
 # H200, K2.6 TP-8 shard, uniform, CUDA graphs (scripts/gpu/moe_marlin_check.py, whole layer, us,
 # NG 1/2/4): T=64 338/374/658, T=128 436/429/780, T=512 755/670/959, T=2048 2372/1829/1988,
 # T=4096 4468/3367/3379; w2b 1/2/4 at NG 1: T=2 32.4/33.8/37.2, T=8 69.4/71.8/75.6, T=64
 # 340.5/335.2/351.9 (moe_marlin_check_w2_blocks.csv)
-# H100, same shard (moe_marlin_check, 2026-12-05, two runs): NG 2 with 3 stages and registers
-# sized for 4 programs an SM (16 warps, MINB 4) vs 4 stages / 3 programs: T=64 420/434, 128
-# 533/553, 256 604/625, 512 721/752, 1024 1233/1246, 4096 3530/3585; at NG 1 (T <= 32) MINB 4
-# was 1-2 % slower.
-TILES: list[tuple[float, int, int, int, int, int]] = [
-    (0.17, 1, 4, 4, 1, 1),
-    (2.0, 1, 4, 4, 2, 1),
-    (float("inf"), 2, 3, 4, 2, 4),
+TILES: list[tuple[float, int, int, int, int]] = [
+    (0.17, 1, 4, 4, 1),
+    (2.0, 1, 4, 4, 2),
+    (float("inf"), 2, 4, 4, 2),
 ]
 
 
@@ -56,10 +52,10 @@ def fits(x: torch.Tensor, topk_ids: torch.Tensor, w) -> bool:
 
 
 def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
-    """{"ng", "stages", "warps", "w2b", "minb"} of the first TILES row whose bound holds T*k/E."""
+    """{"ng", "stages", "warps", "w2b"} of the first TILES row whose bound holds T*k/E."""
     per_expert = tokens * top_k / n_experts
-    _, ng, stages, warps, w2b, minb = next(r for r in (table or TILES) if per_expert <= r[0])
-    return {"ng": ng, "stages": stages, "warps": warps, "w2b": w2b, "minb": minb}
+    _, ng, stages, warps, w2b = next(r for r in (table or TILES) if per_expert <= r[0])
+    return {"ng": ng, "stages": stages, "warps": warps, "w2b": w2b}
 
 
 def shared_bytes(tiles: dict, kernel: str = "moe_w13") -> int:
@@ -126,10 +122,10 @@ def emulate_a_fragment(word: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(name: str, ng: int, stages: int, warps: int, group: int, hidden: int, inter: int, top_k: int,
-            device: torch.device, w2b: int = 2, minb: int = 1):
+            device: torch.device, w2b: int = 2):
     from ddbench.kernels.cuda import Kernel
     return Kernel("moe_marlin.cu", name, {"NG": ng, "STAGES": stages, "WARPS": warps, "G": group, "H": hidden,
-                                          "I": inter, "TOPK": top_k, "W2B": w2b, "MINB": minb}, device)
+                                          "I": inter, "TOPK": top_k, "W2B": w2b}, device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,7 +133,7 @@ def _grid(name: str, tiles: tuple, group: int, hidden: int, inter: int, top_k: i
     from ddbench.kernels.cuda import occupancy
 
     t = dict(tiles)
-    k = _kernel(name, t["ng"], t["stages"], t["warps"], group, hidden, inter, top_k, device, t["w2b"], t["minb"])
+    k = _kernel(name, t["ng"], t["stages"], t["warps"], group, hidden, inter, top_k, device, t["w2b"])
     per_sm = occupancy(k, 32 * t["warps"], shared_bytes(t, name))
     if per_sm < 1:
         raise ValueError(f"moe_marlin: tiles {t} do not fit one SM")
@@ -145,7 +141,7 @@ def _grid(name: str, tiles: tuple, group: int, hidden: int, inter: int, top_k: i
 
 
 def _key(tiles: dict) -> tuple:
-    return tuple((k, tiles[k]) for k in ("ng", "stages", "warps", "w2b", "minb"))
+    return tuple((k, tiles[k]) for k in ("ng", "stages", "warps", "w2b"))
 
 
 _TICKETS: dict = {}
@@ -166,7 +162,6 @@ def resolve_tiles(tokens: int, top_k: int, w, device: torch.device, tiles: dict 
     """The full tile dict a call runs: tiles_for's (or `tiles`'), plus w13's `splits`."""
     t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
     t.setdefault("w2b", 2)
-    t.setdefault("minb", 1)
     if t["w2b"] not in (1, 2, 4) or w.hidden % (64 * t["w2b"]):
         raise ValueError(f"moe_marlin: w2b {t['w2b']} must be 1, 2 or 4 and divide H/64 = {w.hidden // 64}")
     grid = _grid("moe_w13", _key(t), w.group_size, w.hidden,
@@ -204,8 +199,7 @@ def marlin_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict, pdl_
     part = torch.empty(splits * rows * 2 * i if splits > 1 else 1, dtype=torch.float32, device=dev)
     tk = _tickets(dev, block_expert.numel() * (i // 64))
     key = _key(tiles)
-    k = _kernel("moe_w13", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"],
-                tiles["minb"])
+    k = _kernel("moe_w13", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"])
     grid = _grid("moe_w13", key, w.group_size, h, i, top_k, dev)
     mode = pdl.on(x, pdl_mode)
     k(grid, 32 * tiles["warps"], shared_bytes(tiles, "moe_w13"),
@@ -225,8 +219,7 @@ def marlin_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, 
     ypart = torch.empty(t * top_k, h, dtype=torch.float32, device=dev)
     tk = _tickets(dev, t * (h // (64 * tiles["w2b"])))
     key = _key(tiles)
-    k = _kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"],
-                tiles["minb"])
+    k = _kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"])
     grid = _grid("moe_w2", key, w.group_size, h, i, top_k, dev)
     mode = pdl.on(act, pdl_mode)
     k(grid, 32 * tiles["warps"], shared_bytes(tiles, "moe_w2"),

@@ -28,14 +28,14 @@ VARIANTS = ["m1", "m1k16", "m2", "m4", "triton"]   # default variants
 
 
 def variant(name: str) -> dict | None:
-    """'m<NG>[k<splits>][s<stages>][b<w2 blocks>][o<programs an SM the registers are sized for>]' ->
-    marlin tiles (kernels.moe_marlin.resolve_tiles); 'triton' -> None (the Triton default table)."""
+    """'m<NG>[k<splits>][s<stages>][b<w2 blocks>]' -> marlin tiles (kernels.moe_marlin.resolve_tiles); 'triton' ->
+    None (the Triton default table)."""
     if name == "triton":
         return None
-    m = re.fullmatch(r"m(\d)(?:k(\d+))?(?:s(\d+))?(?:b(\d))?(?:o(\d))?", name)
+    m = re.fullmatch(r"m(\d)(?:k(\d+))?(?:s(\d+))?(?:b(\d))?", name)
     if not m:
         raise SystemExit(f"unknown variant {name!r}")
-    tiles = {"ng": int(m[1]), "stages": int(m[3] or 4), "warps": 4, "w2b": int(m[4] or 2), "minb": int(m[5] or 1)}
+    tiles = {"ng": int(m[1]), "stages": int(m[3] or 4), "warps": 4, "w2b": int(m[4] or 2)}
     if m[2]:
         tiles["splits"] = int(m[2])
     return tiles
@@ -75,7 +75,7 @@ def main() -> None:
                     return mt.fused_moe_triton(xs[r], *routes[r], w, cfg)
             else:
                 tl = mm.resolve_tiles(t, K, w, dev, spec)
-                tiles = "ng{ng}s{stages}w{warps}k{splits}b{w2b}o{minb}".format(**tl)
+                tiles = "ng{ng}s{stages}w{warps}k{splits}b{w2b}".format(**tl)
 
                 def fn(r, tl=tl):
                     return mm.fused_moe_marlin(xs[r], *routes[r], w, tl)
