@@ -323,6 +323,9 @@ def decode(runs, labels, out, fmt):
 
 
 # ----------------------------------------------------------------------------- e2e
+SERIES = ["decoder", "_profile", "_routing", "concurrency"]     # one e2e series: its best budget is a row
+
+
 def e2e_frame(runs, labels=None) -> pd.DataFrame:
     """All e2e rows; `_profile` names the series: the acceptance profile, and the run (by
     what differs) where several runs measured the same profile at the same concurrency."""
@@ -341,7 +344,9 @@ def e2e_frame(runs, labels=None) -> pd.DataFrame:
         if col in df:
             prof = df[col].where(df[col].notna() & (df[col].astype(object) != ""), prof)
     df["_profile"] = prof.map(lambda v: "" if v is None or v != v else str(v))
-    if len(df) and df.groupby(["decoder", "_profile", "concurrency"])["_run"].nunique().max() > 1:
+    # `_routing`: a run with the router's choice and one with uniform draws are different series
+    df["_routing"] = df["routing"].fillna("").astype(str) if "routing" in df else ""
+    if len(df) and df.groupby(SERIES)["_run"].nunique().max() > 1:
         df["_profile"] = df["_profile"] + " [" + df["_rl"].astype(str).str.slice(0, 40) + "]"
     return df
 
@@ -397,7 +402,7 @@ def e2e(runs, labels, out, fmt, reference=None):
         made.append(("e2e: mean accepted length vs budget", save(fig, out, "e2e_accepted", fmt)))
     # the step of each (decoder/profile, concurrency) at its best budget
     best = df.dropna(subset=["_tps"])
-    best = best.loc[best.groupby(["decoder", "_profile", "concurrency"])["_tps"].idxmax()]
+    best = best.loc[best.groupby(SERIES)["_tps"].idxmax()]
     if len(best):
         xl = [("AR" if r["decoder"] == "ar" else r["_profile"])
               + f"\nc={int(r['concurrency'])}" + (f" b={int(r['budget'])}" if r["decoder"] != "ar" else "")

@@ -219,7 +219,7 @@ def honest_routing(row) -> bool:
 
 
 def table_e2e(runs, reference: dict) -> list[str]:
-    from ddbench.plots import E2E_PHASES, e2e_frame, first_col, num
+    from ddbench.plots import E2E_PHASES, SERIES, e2e_frame, first_col, num
 
     df = e2e_frame(runs, differing_args([r for r, _ in runs]))
     if df.empty:
@@ -229,9 +229,9 @@ def table_e2e(runs, reference: dict) -> list[str]:
     experts = first_col(df, "experts_measured")   # the formula's experts_touched is no measurement
     routing = first_col(df, "routing")
     best = df.dropna(subset=["_tps"])
-    best = best.loc[best.groupby(["decoder", "_profile", "concurrency"])["_tps"].idxmax()]
+    best = best.loc[best.groupby(SERIES)["_tps"].idxmax()]
     rows = []
-    for _, r in best.sort_values(["concurrency", "decoder", "_profile"]).iterrows():
+    for _, r in best.sort_values(["concurrency", "decoder", "_profile", "_routing"]).iterrows():
         c = _i(r["concurrency"])
         ref = max((t for _, t in reference.get(c, [])), default=None)
         tps = _f(r["_tps"])
@@ -248,9 +248,11 @@ def table_e2e(runs, reference: dict) -> list[str]:
     # the phases of those steps
     phases = [p for p in E2E_PHASES if f"{p}_us" in best and num(best, f"{p}_us").notna().any()]
     if phases:
-        prow = [[_i(r["concurrency"]), "AR" if r["decoder"] == "ar" else f"{r['_profile']} b={_i(r['budget'])}",
+        routed = best["_routing"].nunique() > 1
+        prow = [[_i(r["concurrency"]), ("AR" if r["decoder"] == "ar" else f"{r['_profile']} b={_i(r['budget'])}")
+                 + (f" ({r['_routing'] or 'random-weight router'})" if routed else ""),
                  *(_f(r.get(f"{p}_us")) for p in phases), _f(r.get("step_total_us"))]
-                for _, r in best.sort_values(["concurrency", "decoder", "_profile"]).iterrows()]
+                for _, r in best.sort_values(["concurrency", "decoder", "_profile", "_routing"]).iterrows()]
         lines += ["Step phases (us) at the best budget:", ""]
         lines += md_table(["c", "step"] + phases + ["total"], prow)
     return lines
@@ -300,12 +302,19 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
 
     from ddbench.plots import e2e_frame, num
 
+    def honest_first(d):
+        """The rows with honest routing where any have it (AR rows too: the random-weight router
+        sends a batch's tokens to fewer experts)."""
+        h = d.assign(_honest=[honest_routing(r) for _, r in d.iterrows()])
+        return h[h._honest] if h._honest.any() else h
+
     dec = {}
-    for run, df in by_cmd.get("decode", []):
-        if "concurrency" in df:
-            for c, t in zip(num(df, "concurrency"), num(df, "output_tok_per_s")):
-                if t == t:
-                    dec[int(c)] = max(dec.get(int(c), 0), t)
+    frames = [df for _, df in by_cmd.get("decode", []) if "concurrency" in df]
+    if frames:
+        d = honest_first(pd.concat(frames, ignore_index=True))
+        for c, t in zip(num(d, "concurrency"), num(d, "output_tok_per_s")):
+            if t == t:
+                dec[int(c)] = max(dec.get(int(c), 0), t)
     spec, ar = {}, {}
     df = e2e_frame(by_cmd.get("e2e", []))
     flattered = False
@@ -319,7 +328,7 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
                 dd = dd[cond]
                 break
         flattered = not dd.empty and not dd._honest.any()
-        for _, r in pd.concat([df[df.decoder != "ddtree"], dd]).iterrows():
+        for _, r in pd.concat([honest_first(df[df.decoder != "ddtree"]), dd]).iterrows():
             c = int(r["concurrency"])
             which = spec if r["decoder"] == "ddtree" else ar
             if r["_tps"] > which.get(c, (0, ""))[0]:

@@ -205,11 +205,18 @@ def differing_args(runs: list[Run]) -> dict[str, str]:
     return labels
 
 
+def _stamp_of(name: str) -> str | None:
+    """The leading `YYYYMMDD-HHMMSS` of a run file's name (None without one)."""
+    m = re.match(r"\d{8}-\d{6}(?=[_.])", name)
+    return m.group(0) if m else None
+
+
 def session(runs: list[Run], run: Run, within_s: float = 3600) -> list[Run]:
     """`run` and the runs made with it: the same command and commit, started within
     `within_s`, whose command lines differ only in the options of SPLIT_OPTS (a script
     that runs each concurrency, or each TP degree, in its own process) or in being the same run's other kind (the
-    baseline's per-request CSV)."""
+    baseline's per-request CSV), or whose file names share its UTC stamp (one script's runs,
+    `<stamp>_tag`, whatever their options)."""
     def key(r):
         return [w for w in _measure_args(r.command_line)]
 
@@ -237,7 +244,8 @@ def session(runs: list[Run], run: Run, within_s: float = 3600) -> list[Run]:
             continue
         same_run_other_kind = r.kind != run.kind and key(r) == key(run)
         split_mate = r.kind == run.kind and strip_split(key(r)) == strip_split(key(run))
-        if not (same_run_other_kind or split_mate):
+        stamp_mate = r.kind == run.kind and _stamp_of(r.csv.name) is not None and _stamp_of(r.csv.name) == _stamp_of(run.csv.name)
+        if not (same_run_other_kind or split_mate or stamp_mate):
             continue
         k = (r.kind, tuple(key(r)))
         if k not in nearest or abs(r.started - run.started) < abs(nearest[k].started - run.started):

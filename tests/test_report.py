@@ -179,3 +179,43 @@ def test_headline_ddtree_row_is_the_honest_one():
     assert "| 300 |" in text and "900" not in text and "flatters" not in text
     text = "\n".join(summary({"e2e": old}, {1: [("SGLang", 138.0)]}))
     assert "900" in text and "flatters" in text
+
+
+def test_headline_ar_rows_are_the_honest_ones():
+    """The random-weight router's AR (decode and e2e) rows are faster than uniform routing's; the
+    headline takes the uniform ones where a run has them."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from ddbench.report import summary
+
+    def run(name, **row):
+        return (SimpleNamespace(name=name), pd.DataFrame([{"concurrency": 10, "mode": "simulated", **row}]))
+
+    e2e = [run("u", decoder="ar", routing="uniform", output_tok_per_s=727.0, acceptance="none"),
+           run("m", decoder="ar", routing="model", output_tok_per_s=746.0, acceptance="none")]
+    dec = [run("du", routing="uniform", output_tok_per_s=748.0), run("dm", routing="model", output_tok_per_s=767.0)]
+    text = "\n".join(summary({"e2e": e2e, "decode": dec}, {10: [("SGLang", 517.0)]}))
+    assert "| 727 |" in text and "| 748 |" in text and "746" not in text and "767" not in text
+
+
+def test_e2e_table_keeps_a_series_per_routing_and_ranks_by_the_steady_rate():
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from ddbench.report import table_e2e
+
+    def run(name, routing, rows):
+        return (SimpleNamespace(name=name, command_line=f"ddbench e2e --routing {routing}"),
+                pd.DataFrame([{"decoder": "ddtree", "concurrency": 10, "acceptance": "rank:p", "routing": routing,
+                               "step_total_us": 40000.0, **r} for r in rows]))
+
+    u = run("u", "uniform", [{"budget": 8, "output_tok_per_s": 950.0, "steady_tok_per_s": 1310.0},
+                             {"budget": 16, "output_tok_per_s": 990.0, "steady_tok_per_s": 1160.0}])
+    m = run("m", "model", [{"budget": 32, "output_tok_per_s": 1110.0, "steady_tok_per_s": 1365.0}])
+    text = "\n".join(table_e2e([u, m], {}))
+    rows = [l for l in text.splitlines() if l.startswith("| u ") or l.startswith("| m ")]
+    assert len(rows) == 2                                   # one best row a routing
+    assert "| 8 | 1310 | 950 |" in rows[1] or "| 8 | 1310 | 950 |" in rows[0]   # budget 8 wins on the steady rate

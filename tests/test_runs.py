@@ -67,6 +67,24 @@ def test_session_and_labels(tmp_path):
     assert labels == {"a_c1": "--concurrency 1", "a_c10": "--concurrency 10"}
 
 
+def test_session_takes_one_scripts_runs_by_their_stamp(tmp_path):
+    """A script's runs share the stamp in their names even where their options differ (c=1 with
+    more tokens than c=10, the router's routing beside): the latest run brings the others."""
+    base = "ddbench e2e --preset k2.6 --out r"
+    for tag, t, opts in [("honest_c1", "17:20:48", "--concurrency 1 --new-tokens 384"),
+                         ("honest_c10", "17:22:53", "--concurrency 10 --new-tokens 128 --budget 8,16"),
+                         ("honest_model", "17:24:57", "--concurrency 10 --routing model")]:
+        put(tmp_path, f"h100/e2e/20261205-172043_{tag}.csv", meta("e2e", f"2026-12-05T{t}+00:00", f"{base} {opts}",
+                                                                  git_commit="abc"))
+    put(tmp_path, "h100/e2e/20261205-163609_honest.csv", meta("e2e", "2026-12-05T16:36:15+00:00",
+                                                             base + " --budget 64", git_commit="abc"))
+    runs = list_runs(tmp_path)
+    latest = latest_runs(tmp_path)["e2e"]
+    assert latest.name == "20261205-172043_honest_model"
+    assert [r.name for r in session(runs, latest)] == ["20261205-172043_honest_c1", "20261205-172043_honest_c10",
+                                                       "20261205-172043_honest_model"]
+
+
 def test_partial_run_found_from_its_command_folder(tmp_path):
     put(tmp_path, "h200/decode/20261204-200000.csv.partial", rows="concurrency,step_us\n1,5.5\n")
     (run,) = list_runs(tmp_path / "h200" / "decode")
