@@ -2,11 +2,11 @@
 # Honest e2e projections (issue 33) on one H200, one command from the repo root:
 #   bash scripts/gpu/e2e_honest.sh
 # 1-2. K2.6 TP-8 rank 0 (projected TP-8: measured rank compute + modelled NVLink all-reduce),
-#    uniform expert routing (each token's experts drawn after the router ran), c = 1 (512 new
+#    uniform expert routing (each token's experts drawn after the router ran), c = 1 (384 new
 #    tokens, NEW1) and c = 10 (128, NEW10), budgets 8..256 (c=10: 8..128 on an 80 GB card) and
 #    `auto` (cost model fitted on that grid, best predicted budget measured), acceptance: rank
 #    profiles of the DFlash K2.5 drafter (GSM8K, MT-Bench; paper / small sibling gain) and
-#    synthetic:6, AR beside. One run a concurrency: c=1 needs ~100 steps for its drawn
+#    synthetic:6, AR beside. One run a concurrency: c=1 needs ~70-100 steps for its drawn
 #    acceptance to sit within ~5 % of its expectation, c=10 averages 10 streams over ~20 steady
 #    steps (`steady_tok_per_s`, every stream still generating: what the cost model predicts).
 # 3. c=10, budgets 32 and 128, with the router's own choice (--routing model), to show what
@@ -28,8 +28,8 @@ COMMON="--preset k2.6 --tp 8 --simulate-rank 0 --prompt-len 128 --out $E2E"
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 B10=8,16,32,64,128; [ "${MEM:-0}" -gt 100000 ] && B10=$B10,256
 rc=0
-echo "== e2e uniform routing, c=1, ${NEW1:-512} new tokens, budgets 8..256 + auto ==" | tee "$LOG"
-timeout -s INT "${CAP1:-220}" "$PY" -m ddbench e2e $COMMON --new-tokens "${NEW1:-512}" --routing uniform --concurrency 1 \
+echo "== e2e uniform routing, c=1, ${NEW1:-384} new tokens, budgets 8..256 + auto ==" | tee "$LOG"
+timeout -s INT "${CAP1:-220}" "$PY" -m ddbench e2e $COMMON --new-tokens "${NEW1:-384}" --routing uniform --concurrency 1 \
     --budget 8,16,32,64,128,256,auto --acceptance "$ACC" --name "${STAMP}_honest_c1" 2>&1 | tee -a "$LOG" || rc=1
 echo "== e2e uniform routing, c=10, ${NEW10:-128} new tokens, budgets $B10 + auto ==" | tee -a "$LOG"
 timeout -s INT "${CAP2:-230}" "$PY" -m ddbench e2e $COMMON --new-tokens "${NEW10:-128}" --routing uniform --concurrency 10 \
