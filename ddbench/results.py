@@ -134,6 +134,24 @@ def git_commit() -> str | None:
         return None
 
 
+def source_sha() -> str:
+    """sha1 (12 hex digits) of the source that ran: every .py / .cu / .cuh file of ddbench/, engine/
+    and kernels/, by path and content. Unlike `git_commit` it holds in a copy of the tree whose
+    .git is stale or absent (a snapshot sent to a GPU machine)."""
+    import hashlib
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha1()
+    for pkg in ("ddbench", "engine", "kernels"):
+        base = (root / pkg).resolve()
+        files = [Path(d) / n for d, _, names in os.walk(base) for n in names      # symlinked folders not followed
+                 if n.endswith((".py", ".cu", ".cuh"))]
+        for f in sorted(files):
+            h.update(f"{pkg}/{f.relative_to(base).as_posix()}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def run_metadata(kind: str, **extra) -> dict:
     """Metadata common to every run: command line, commit, time, host, versions."""
     from ddbench import telemetry
@@ -142,6 +160,7 @@ def run_metadata(kind: str, **extra) -> dict:
         "kind": kind,
         "command": " ".join(["ddbench", *sys.argv[1:]]),
         "git_commit": git_commit(),
+        "source_sha": source_sha(),
         "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "python": platform.python_version(),

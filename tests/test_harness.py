@@ -106,3 +106,30 @@ def test_atomic_write_leaves_no_temporary_on_error(tmp_path):
     with pytest.raises(OSError):
         atomic_write_text(tmp_path / "d", "x")  # a folder cannot be replaced by a file
     assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+def test_source_sha_names_the_source_that_ran(tmp_path):
+    """The sidecar's source_sha follows the content of ddbench/, engine/, kernels/ (a copy of the
+    tree with the same files gives the same digest; one changed byte changes it)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ddbench.results import run_metadata, source_sha
+
+    root = Path(__file__).resolve().parents[1]
+    assert run_metadata("demo")["source_sha"] == source_sha() and len(source_sha()) == 12
+    copy = tmp_path / "tree"
+    for pkg in ("ddbench", "engine", "kernels"):
+        shutil.copytree(root / pkg, copy / pkg, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "profiles"))
+    code = "from ddbench.results import source_sha; print(source_sha())"
+
+    def sha():
+        return subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True,
+                              env={"PYTHONPATH": str(copy)}).stdout.strip()
+    assert sha() == source_sha()
+    f = copy / "kernels" / "moe_marlin.cu"
+    f.write_text(f.read_text() + "\n")
+    assert sha() != source_sha()
