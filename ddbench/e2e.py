@@ -181,7 +181,7 @@ def measure_config(sess, stepper, label: str, base: dict, c: int, budget: int, a
         "comm_source": "modelled" if simulated else ("measured in verify" if real_comm else "none"),
         "step_total_us": _fmt(total_us),
         "steps_per_s": _fmt(1e6 / total_us), "output_tok_per_s": _fmt(st.tokens / (steps * total_us) * 1e6),
-        "steady_tok_per_s": _fmt(c * st.steady_accepted / (st.full_step_us / st.full_steps + host_us + comm_us) * 1e6)
+        "steady_tok_per_s": _fmt(c * st.steady_accepted / (st.full_step_us / st.full_steps + total_us - step_us) * 1e6)
         if st.full_steps else None,
         "steady_steps": st.full_steps, "steady_accepted": _fmt(st.steady_accepted, 3),
         "steady_accepted_se": _fmt(st.full_accepted_se, 3),
