@@ -206,8 +206,8 @@ def differing_args(runs: list[Run]) -> dict[str, str]:
 
 
 def _stamp_of(name: str) -> str | None:
-    """The leading `YYYYMMDD-HHMMSS` of a run file's name (None without one)."""
-    m = re.match(r"\d{8}-\d{6}(?=[_.])", name)
+    """The UTC stamp a run file's name begins with (None without one)."""
+    m = _STAMP.match(name)
     return m.group(0) if m else None
 
 

@@ -19,14 +19,14 @@ cd "$(dirname "$0")/../.." || exit 1
 set -o pipefail
 PY=${PYTHON:-python3}
 STAMP=$(date -u +%Y%m%d-%H%M%S)
-RES=$RES/e2e
-mkdir -p "$RES" logs
+DIR=$RES/e2e
+mkdir -p "$DIR" logs
 LOG=logs/e2e_$STAMP.log
 ACC=synthetic:3,synthetic:6,synthetic:9
 # prompt 128 keeps the context short (tree-verify attention grows with context x tree size;
 # docs/notes/tree.md); E2E_PROMPT_LEN / E2E_NEW_TOKENS change it
 COMMON="--preset k2.6 --tp 8 --simulate-rank 0 --acceptance $ACC --prompt-len ${E2E_PROMPT_LEN:-128}"
-COMMON="$COMMON --new-tokens ${E2E_NEW_TOKENS:-64} --out $RES"
+COMMON="$COMMON --new-tokens ${E2E_NEW_TOKENS:-64} --out $DIR"
 
 echo "== GPU tests: DDTree loop (tiny) ==" | tee "$LOG"
 timeout -k 10 -s INT 75 $PY -m pytest -q -m gpu tests/test_spec_gpu.py 2>&1 | tail -20 | tee -a "$LOG" \
@@ -42,15 +42,15 @@ timeout -k 10 -s INT 115 $PY -m ddbench e2e $COMMON --concurrency 10 --budget "$
 
 echo "== summary (issue 10 targets at TAU=6: c=1 >= 700 tok/s, c=10 >= 2000 tok/s, step <= 1.3x floor+comm) ==" \
   | tee -a "$LOG"
-CSVS=$(ls "$RES/${STAMP}_c1.csv" "$RES/${STAMP}_c10.csv" 2>/dev/null | tr '\n' ' ')
+CSVS=$(ls "$DIR/${STAMP}_c1.csv" "$DIR/${STAMP}_c10.csv" 2>/dev/null | tr '\n' ' ')
 if [ -n "$CSVS" ]; then
   $PY -c "import sys; from ddbench.e2e import summary; summary(sys.argv[1:])" $CSVS 2>&1 | tee -a "$LOG" \
     || echo "FAILED step: summary" | tee -a "$LOG"
 else
-  echo "FAILED: no e2e CSV under $RES" | tee -a "$LOG"
+  echo "FAILED: no e2e CSV under $DIR" | tee -a "$LOG"
 fi
 
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT/e2e"
-  cp "$LOG" "$RES/${STAMP}"_c1.* "$RES/${STAMP}"_c10.* "$OUT/e2e/" 2>/dev/null || true
+  cp "$LOG" "$DIR/${STAMP}"_c1.* "$DIR/${STAMP}"_c10.* "$OUT/e2e/" 2>/dev/null || true
 fi

@@ -22,8 +22,8 @@ cd "$(dirname "$0")/../.." || exit 1
 set -o pipefail  # a step fails when its command fails, not its tee
 PY=${PYTHON:-python3}
 STAMP=$(date -u +%Y%m%d-%H%M%S)
-RES=$RES/tree-bench
-mkdir -p "$RES" logs
+DIR=$RES/tree-bench
+mkdir -p "$DIR" logs
 LOG=logs/tree_$STAMP.log
 NAME=$STAMP
 TUNE=${STAMP}_tune
@@ -33,15 +33,15 @@ timeout 80 $PY -m pytest -q -m gpu tests/test_ddtree.py tests/test_mla_attn.py -
   | tail -25 | tee -a "$LOG" || echo "FAILED step: gpu tests" | tee -a "$LOG"
 
 echo "== 2. tree-bench sweep ==" | tee -a "$LOG"
-timeout 130 $PY -m ddbench tree-bench --budgets 16,64,256,512,1024 --reps 10 --out "$RES" --name "$NAME" 2>&1 \
+timeout 130 $PY -m ddbench tree-bench --budgets 16,64,256,512,1024 --reps 10 --out "$DIR" --name "$NAME" 2>&1 \
   | tail -45 | tee -a "$LOG" || echo "FAILED step: tree-bench sweep" | tee -a "$LOG"
 
 echo "== 3. tree-bench --tune ==" | tee -a "$LOG"
-timeout 55 $PY -m ddbench tree-bench --tune --out "$RES" --name "$TUNE" 2>&1 \
+timeout 55 $PY -m ddbench tree-bench --tune --out "$DIR" --name "$TUNE" 2>&1 \
   | tail -40 | tee -a "$LOG" || echo "FAILED step: tree-bench --tune" | tee -a "$LOG"
 
 echo "== 4. summary ==" | tee -a "$LOG"
-for f in "$RES/$NAME.csv" "$RES/$TUNE.csv"; do
+for f in "$DIR/$NAME.csv" "$DIR/$TUNE.csv"; do
   [ -f "$f" ] || { [ -f "$f.partial" ] && echo "(step timed out: summary of the rows written)" && f="$f.partial"; }
   if [ -f "$f" ]; then
     $PY -c "from ddbench.tree_bench import summary; summary('$f')" 2>&1 | tee -a "$LOG" \
@@ -53,8 +53,8 @@ done
 
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT/tree"
-  for f in "$LOG" "$RES/$NAME".csv "$RES/$NAME".json "$RES/$TUNE".csv "$RES/$TUNE".json \
-           "$RES/$NAME".csv.partial "$RES/$TUNE".csv.partial; do
+  for f in "$LOG" "$DIR/$NAME".csv "$DIR/$NAME".json "$DIR/$TUNE".csv "$DIR/$TUNE".json \
+           "$DIR/$NAME".csv.partial "$DIR/$TUNE".csv.partial; do
     [ -f "$f" ] && cp "$f" "$OUT/tree/"
   done
 fi
