@@ -4,7 +4,7 @@ python3 -m experiments.scripts.decode_ncu run [CONCURRENCY] [LAYERS]: builds the
 random weights (LAYERS blocks, default 3: the dense layer and two MoE layers), prefills 128
 tokens, runs two eager steps, then one step between cudaProfilerStart/Stop (without PDL, so
 each kernel's time is its own). Run under `ncu --profile-from-start off --page raw --csv`
-(experiments/scripts/decode_ncu.sh).
+(`bash experiments/scripts/ncu.sh decode experiments.scripts.decode_ncu run 1 3`).
 python3 -m experiments.scripts.decode_ncu summary NCU_CSV OUT_CSV: per kernel of the profiled step, in
 launch order (the last MoE layer's kernels are the ones to read: no first-call effects):
 duration, DRAM rate and share of peak, achieved occupancy, issue-slot use, warp instructions,

@@ -1,0 +1,38 @@
+"""The CUDA Marlin MoE (kernels/moe_marlin.cu) under Nsight Compute: what limits moe_plan, moe_w13
+and moe_w2 at each token count (K2.6 TP-8 rank shard, uniform routing, the default tiles).
+
+python3 -m experiments.scripts.moe_ncu run T,T,...: for each T (in order) two eager calls, then
+one between cudaProfilerStart/Stop without PDL (each kernel's time is its own), so the profiled
+kernels come as (plan, w13, w2) per T. Run under `ncu --profile-from-start off --page raw --csv`
+and summarized by `experiments.scripts.decode_ncu summary`: `bash experiments/scripts/ncu.sh moe
+experiments.scripts.moe_ncu run 1,8,128,512,4096`.
+"""
+import sys
+
+import torch
+
+from ddbench.kernels import moe_marlin as mm
+from ddbench.kernels.moe import random_marlin_moe, synthetic_routing
+
+E, H, I, G, K = 384, 7168, 256, 32, 8
+
+
+def run(tokens: list[int]) -> None:
+    dev = torch.device("cuda")
+    w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
+    for t in tokens:
+        x = torch.randn(t, H, generator=torch.Generator(device=dev).manual_seed(t), device=dev).bfloat16()
+        ids, tw = synthetic_routing("uniform", t, E, K, device=dev, seed=t)
+        tiles = mm.resolve_tiles(t, K, w, dev)
+        print(f"T={t} tiles {tiles}", flush=True)
+        for _ in range(2):
+            mm.fused_moe_marlin(x, ids, tw, w, tiles, pdl_mode=0)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        mm.fused_moe_marlin(x, ids, tw, w, tiles, pdl_mode=0)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    run([int(t) for t in sys.argv[2].split(",")])
