@@ -18,6 +18,11 @@ __device__ __forceinline__ float ld_f32(const float* p) {   // L2 only: written 
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
+__device__ __forceinline__ float2 ld_f32x2(const float* p) {   // 8 bytes, L2 only
+    float2 v;
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    return v;
+}
 __device__ __forceinline__ int ld_s32(const int* p) {       // L2 only
     int v;
     asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));

@@ -26,8 +26,9 @@
 // before it reads anything a kernel wrote; the host launches it with the PDL attribute when > 0.
 //
 // Determinism: a K split writes fp32 partials and the last of an item's splits to finish (an
-// atomic ticket) sums them in split order; w2's k slots are summed by the last of a token's
-// k items in slot order. Tickets are reset by their last user, so buffers stay zero.
+// atomic ticket) sums them in split order; w2's k slots (weighted rows rounded to bf16, half
+// the scratch traffic of fp32) are summed in fp32 by the last of a token's k items in slot
+// order. Tickets are reset by their last user, so buffers stay zero.
 //
 // Compile-time: NG (8-token groups an item), STAGES, WARPS (a program), G (group size), K
 // dims H (hidden), I (intermediate), TOPK, W2B (w2's Marlin blocks an item).
@@ -296,27 +297,29 @@ moe_w13(const unsigned short* x,                                  // bf16 [T, H]
         }
         if (!__shfl_sync(0xffffffffu, last, 0)) continue;
         __threadfence();
-        for (int r = 0; r < rows; r++)
-            for (int c = lane; c < 64; c += 32) {
-                const long at = (long)(blk * CH + r) * (2 * I) + p * 64 + c;
-                float gs = 0.f, us = 0.f;
-                for (int q = 0; q < splits; q++) {
-                    gs += ld_f32(part + (long)q * rows_max * (2 * I) + at);
-                    us += ld_f32(part + (long)q * rows_max * (2 * I) + at + I);
-                }
-                act[(long)(blk * CH + r) * I + p * 64 + c] = to_bf16(silu_mul(gs, us));
+        for (int r = 0; r < rows; r++) {                    // a column pair a lane, 8 splits' loads in flight
+            const long at = (long)(blk * CH + r) * (2 * I) + p * 64 + 2 * lane;
+            float2 gs = make_float2(0.f, 0.f), us = gs;
+#pragma unroll 8
+            for (int q = 0; q < splits; q++) {
+                const float2 gq = ld_f32x2(part + (long)q * rows_max * (2 * I) + at);
+                const float2 uq = ld_f32x2(part + (long)q * rows_max * (2 * I) + at + I);
+                gs.x += gq.x; gs.y += gq.y; us.x += uq.x; us.y += uq.y;
             }
+            *(unsigned*)(act + (long)(blk * CH + r) * I + p * 64 + 2 * lane) =
+                to_bf16(silu_mul(gs.x, us.x)) | (unsigned)to_bf16(silu_mul(gs.y, us.y)) << 16;
+        }
     }
 }
 
 // ------------------------------------------------------------------------------------ w2
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, NG <= 2 && W2B <= 2 ? 3 : 1)   // 3 programs an SM (<= 168 registers)
 moe_w2(const unsigned short* act,                                 // bf16 [rows_max, I] (sorted rows)
        const unsigned* w, const unsigned short* s,                // Marlin [E, I/16, 2H], scales [E, I/G, H]
        const int* sorted, const int* block_expert, const int* block_rows, const int* n_blocks,
        const float* topk_w,                                       // fp32 [T*k]
-       float* ypart,                                              // fp32 [T*k, H]
+       unsigned short* ypart,                                     // bf16 [T*k, H]
        int* tickets,                                              // [T, H/(64 W2B)], zero
        unsigned short* out,                                       // bf16 [T, H]
        int pdl)
@@ -355,7 +358,7 @@ moe_w2(const unsigned short* act,                                 // bf16 [rows_
                     for (int j = 0; j < W2B; j++)
 #pragma unroll
                         for (int f = 0; f < 4; f++)
-                            ypart[(long)asg * H + (W2B * p + j) * 64 + 16 * f + g + 8 * (i >> 1)] = acc[j][f][ng][i] * wt;
+                            ypart[(long)asg * H + (W2B * p + j) * 64 + 16 * f + g + 8 * (i >> 1)] = to_bf16(acc[j][f][ng][i] * wt);
                 }
             }
         __threadfence();
@@ -373,11 +376,15 @@ moe_w2(const unsigned short* act,                                 // bf16 [rows_
             mask &= mask - 1;
             const int tok = __shfl_sync(0xffffffffu, my, r) / TOPK;
 #pragma unroll
-            for (int c = lane; c < 64 * W2B; c += 32) {
-                float sum = 0.f;
+            for (int c = 2 * lane; c < 64 * W2B; c += 64) {            // a column pair a lane
+                float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-                for (int j = 0; j < TOPK; j++) sum += ld_f32(ypart + (long)(tok * TOPK + j) * H + p * 64 * W2B + c);
-                out[(long)tok * H + p * 64 * W2B + c] = to_bf16(sum);
+                for (int j = 0; j < TOPK; j++) {
+                    const unsigned v = ld_s32((const int*)(ypart + (long)(tok * TOPK + j) * H + p * 64 * W2B + c));
+                    s0 += bf16_lo(v);
+                    s1 += bf16_hi(v);
+                }
+                *(unsigned*)(out + (long)tok * H + p * 64 * W2B + c) = to_bf16(s0) | (unsigned)to_bf16(s1) << 16;
             }
         }
     }

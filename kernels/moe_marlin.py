@@ -216,7 +216,7 @@ def marlin_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, 
     t, top_k = topk_weights.shape
     h, i, dev = w.hidden, w.inter, act.device
     out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
-    ypart = torch.empty(t * top_k, h, dtype=torch.float32, device=dev)
+    ypart = torch.empty(t * top_k, h, dtype=torch.bfloat16, device=dev)   # each slot's weighted row
     tk = _tickets(dev, t * (h // (64 * tiles["w2b"])))
     key = _key(tiles)
     k = _kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"])
