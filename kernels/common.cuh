@@ -8,6 +8,9 @@ __device__ __forceinline__ unsigned short to_bf16(float f) {   // round to neare
     const unsigned u = __float_as_uint(f);
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+__device__ __forceinline__ unsigned bf16x2(float lo, float hi) {   // fp32 pair -> bf16 pair (as to_bf16)
+    return to_bf16(lo) | (unsigned)to_bf16(hi) << 16;
+}
 __device__ __forceinline__ unsigned short to_f16(float f) {   // round to nearest even
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));

@@ -306,8 +306,7 @@ moe_w13(const unsigned short* x,                                  // bf16 [T, H]
                 const float2 uq = ld_f32x2(part + (long)q * rows_max * (2 * I) + at + I);
                 gs.x += gq.x; gs.y += gq.y; us.x += uq.x; us.y += uq.y;
             }
-            *(unsigned*)(act + (long)(blk * CH + r) * I + p * 64 + 2 * lane) =
-                to_bf16(silu_mul(gs.x, us.x)) | (unsigned)to_bf16(silu_mul(gs.y, us.y)) << 16;
+            *(unsigned*)(act + (long)(blk * CH + r) * I + p * 64 + 2 * lane) = bf16x2(silu_mul(gs.x, us.x), silu_mul(gs.y, us.y));
         }
     }
 }
@@ -384,7 +383,7 @@ moe_w2(const unsigned short* act,                                 // bf16 [rows_
                     s0 += bf16_lo(v);
                     s1 += bf16_hi(v);
                 }
-                *(unsigned*)(out + (long)tok * H + p * 64 * W2B + c) = to_bf16(s0) | (unsigned)to_bf16(s1) << 16;
+                *(unsigned*)(out + (long)tok * H + p * 64 * W2B + c) = bf16x2(s0, s1);
             }
         }
     }
