@@ -123,6 +123,8 @@ def stage_fns(backend: str, case: Case, w, mcfg, dtype):
 
     if backend == "marlin":
         return _marlin_stage_fns(case, w, mcfg, it)
+    if backend == "decode":
+        return _decode_stage_fns(case, w, it)
     from ddbench.kernels import moe_triton as mt
 
     if mcfg.gemv:
@@ -166,6 +168,16 @@ def _marlin_stage_fns(case: Case, w, tiles: dict, it):
         r = next(it)
         return mm.marlin_w2(acts[r], plans[r], case.routes[r][1], w, tiles)
     return {"layer": layer, "w13": w13, "w2": w2}
+
+
+def _decode_stage_fns(case: Case, w, it):
+    """The one-token CUDA kernel (kernels.moe_decode): one launch, so the layer only."""
+    from ddbench.kernels import moe_decode as md
+
+    def layer():
+        r = next(it)
+        return md.fused_moe_decode(case.xs[r], *case.routes[r], w)
+    return {"layer": layer}
 
 
 def _gemv_stage_fns(case: Case, w, mcfg, dtype, it):
@@ -259,7 +271,8 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
                         expert_bytes=w.expert_bytes(), torch_max_tokens=torch_max_tokens,
                         rotations=n_rot, tiles=str(tiles) if tiles else "default", backends=backend_list,
                         routings=routing_list, bytes_moved="touched experts' packed weights + scales, x in, out",
-                        kernel=kernel, kernel_rule=(f"auto: marlin (kernels.moe_marlin, tiles by T*k/E:"
+                        kernel=kernel, kernel_rule=("auto: decode (kernels.moe_decode) for T = 1 where it fits"
+                                                    " (sm_90+); marlin (kernels.moe_marlin, tiles by T*k/E:"
                                                     f" moe_marlin.TILES) for T >= {MARLIN_MIN_TOKENS} where it fits"
                                                     " (bf16, sm_90+), else the Triton default table"
                                                     " (kernels.moe_triton.TILE_TABLE)"))
@@ -283,13 +296,13 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
                     mcfg, kname, ktile = None, "torch", ""
                     if backend == "triton":
                         kname, ktile, mcfg = _pick_kernel(kernel, t, cfg, w, dev, dtype, n_sms, table)
-                    fns = stage_fns("marlin" if kname == "marlin" else backend, case, w, mcfg, dtype)
+                    fns = stage_fns(kname if kname in ("marlin", "decode") else backend, case, w, mcfg, dtype)
                     err = None
                     if ref is not None:
                         y = fns["layer"]().float()
                         err = ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     modes = [False] + ([True] if graphs and on_gpu and backend == "triton" else [])
-                    for stage in ("layer", "w13", "w2"):
+                    for stage in [st for st in ("layer", "w13", "w2") if st in fns]:   # decode: layer only
                         for graph in modes:
                             if stage != "layer" and graph != modes[-1]:
                                 continue  # per-GEMM rows in the best mode only
@@ -319,6 +332,8 @@ def _pick_kernel(kernel: str, t: int, cfg, w, dev, dtype, n_sms: int, table):
         raise UserError(f"--kernel {kernel}: {e}") from None
     if name == "marlin":
         return name, "ng{ng}s{stages}w{warps}k{splits}b{w2b}".format(**tiles), tiles
+    if name == "decode":
+        return name, "k{w13_splits}p{programs}".format(**tiles), tiles
     mcfg = MoeTritonConfig(**tiles)
     if table is not None:   # --tiles replaces the built-in table
         mcfg = default_config(t, cfg.top_k, cfg.n_experts, cfg.moe_inter_local, cfg.hidden, n_sms, table)

@@ -29,7 +29,7 @@ from ddbench.engine.parallel import (ColumnParallelLinear, Comm, Linear, LocalCo
 from ddbench.engine.phases import phase
 from ddbench.engine.rope import rope_cos_sin, yarn_freqs
 from ddbench.kernels import fused_ops, mla_decode, pdl, skinny
-from ddbench.kernels.moe import MarlinMoE, fused_moe, route, uses_gemv
+from ddbench.kernels.moe import MarlinMoE, fused_moe, route, takes_rows, uses_gemv
 from ddbench.kernels.select import KernelChoice
 
 
@@ -286,13 +286,15 @@ class MoE(nn.Module):
         if self.routing is not None:                                          # engine.routing
             with phase("moe"):
                 ids, w = self.routing(ids, w, b, t)
-        # with xh (CUDA-core expert path, skinny path) the k expert rows of each token are
-        # summed in the shared expert's down GEMM, not by the MoE's own last launch
-        k_rows = cfg.top_k if xh is not None else 1
+        # on the skinny path, where the expert kernel takes it (gemv, decode), the k expert rows of
+        # each token are summed in the shared expert's down GEMM, not by the MoE's own last launch
+        rows = self.ops.fuses(af, self.gate) and self.backend == "triton" and takes_rows(
+            b * t, cfg.top_k, experts, af.device, kernel=self.ops.kernels.moe, dtype=af.dtype)
+        k_rows = cfg.top_k if rows else 1
         # the shared expert's gate/up GEMM does not depend on the routed experts: on the skinny
         # path it runs on a side stream beside them (its time then overlaps the "moe" phase;
         # at 10 rows, cuBLAS path, the step was 5.5 ms slower with it: docs/notes/decode.md)
-        side = self.ops.side_stream(xf) if xh is not None else None
+        side = self.ops.side_stream(xf) if rows else None
         if side is not None:
             main = torch.cuda.current_stream(xf.device)
             side.wait_stream(main)

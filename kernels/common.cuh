@@ -31,6 +31,11 @@ __device__ __forceinline__ int ld_s32(const int* p) {       // L2 only
     asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
+__device__ __forceinline__ int ld_acquire(const int* p) {   // a flag another program releases
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ uint4 ld_v4(const void* p) {     // 16 bytes, L2 only
     uint4 v;
     asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -45,6 +50,18 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {   // generic -> s
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {   // 16 bytes global -> shared, L2 only
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
 }
+__device__ __forceinline__ unsigned long long evict_first() {   // L2 policy: weights read once
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+__device__ __forceinline__ void cp16_ef(unsigned dst, const void* src, unsigned long long pol) {   // cp_async16, evict-first
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+__device__ __forceinline__ float silu_mul(float gte, float up) { return gte / (1.f + __expf(-gte)) * up; }
 // kernels/pdl.py's `enter` (rule 1) for a CUDA kernel: mode 1 waits for the kernel before (its
 // writes visible), mode 2 then also lets the next kernel's programs launch; 0 does nothing
 __device__ __forceinline__ void pdl_enter(int mode) {
@@ -66,18 +83,24 @@ __device__ __forceinline__ float block_sum(float v, float* part) {   // over NW 
     for (int w = 0; w < NW; w++) v += part[w];
     return v;
 }
-// One Marlin INT4 word of lane 4g + t times its activations (packed fp16, as kernels/moe_gemv.py
-// explains): the fp16 pairs xa = (x[16kt + 2t], x[.. + 1]) and xb = (x[.. + 8], x[.. + 9])
-// -> fp32 (column lo, column lo + 8), still to be scaled by their group's scales.
-__device__ __forceinline__ void word_dot(unsigned w, unsigned xa, unsigned xb, float& lo, float& hi) {
-    asm("{\n.reg .b32 m, s, c, k, b, p0, p1, p2, p3, l, h;\n.reg .f16 u, v;\n"
+// One Marlin INT4 word of lane 4g + t as the fp16 A operand of an mma.m16n8k16 (its 16x16 tile
+// transposed: rows n, columns k): a0a1 = nibbles (0, 4), a2a3 = (2, 6), a4a5 = (1, 5), a6a7 =
+// (3, 7), each q - 8 exactly. LOP3 with 0x64006400 makes the nibble pair at bits (0, 16) the
+// fp16 pair 1024 + q (one subtract of 1032) and the pair at bits (4, 20) 1024 + 16 q (one fma:
+// x 1/16 - 72); a shift by 8 brings nibbles 2, 3, 6, 7 to those places.
+__device__ __forceinline__ void dequant_f16(unsigned w, unsigned a[4]) {
+    asm("{\n.reg .b32 m, s, c, k, b;\n"
         "mov.b32 m, 0x64006400;\nmov.b32 c, 0x64086408;\nmov.b32 k, 0x2c002c00;\nmov.b32 b, 0xd480d480;\n"
-        "shr.u32 s, %2, 8;\n"
-        "lop3.b32 p0, %2, 0x000f000f, m, 0xea;\nlop3.b32 p1, %2, 0x00f000f0, m, 0xea;\n"
-        "lop3.b32 p2, s, 0x000f000f, m, 0xea;\nlop3.b32 p3, s, 0x00f000f0, m, 0xea;\n"
-        "sub.rn.f16x2 p0, p0, c;\nfma.rn.f16x2 p1, p1, k, b;\nsub.rn.f16x2 p2, p2, c;\nfma.rn.f16x2 p3, p3, k, b;\n"
-        "mul.rn.f16x2 l, p0, %3;\nfma.rn.f16x2 l, p1, %4, l;\nmul.rn.f16x2 h, p2, %3;\nfma.rn.f16x2 h, p3, %4, h;\n"
-        "mov.b32 {u, v}, l;\nadd.rn.f16 u, u, v;\ncvt.f32.f16 %0, u;\n"
-        "mov.b32 {u, v}, h;\nadd.rn.f16 u, u, v;\ncvt.f32.f16 %1, u;\n}"
-        : "=f"(lo), "=f"(hi) : "r"(w), "r"(xa), "r"(xb));
+        "shr.u32 s, %4, 8;\n"
+        "lop3.b32 %0, %4, 0x000f000f, m, 0xea;\nlop3.b32 %2, %4, 0x00f000f0, m, 0xea;\n"
+        "lop3.b32 %1, s, 0x000f000f, m, 0xea;\nlop3.b32 %3, s, 0x00f000f0, m, 0xea;\n"
+        "sub.rn.f16x2 %0, %0, c;\nfma.rn.f16x2 %2, %2, k, b;\nsub.rn.f16x2 %1, %1, c;\nfma.rn.f16x2 %3, %3, k, b;\n}"
+        : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(w));
+}
+// c += A (fp16, 16 x 16) B (fp16, 16 x 8), fp32 accumulators
+__device__ __forceinline__ void mma_f16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }

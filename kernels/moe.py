@@ -57,11 +57,12 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
     return ids.to(torch.int32), w
 
 
-KERNELS = ("auto", "marlin", "triton", "gemv", "torch")
-# "auto": the CUDA Marlin kernel (kernels.moe_marlin) from this many tokens on where it fits the
-# call (bf16, sm_90+), below it and elsewhere the Triton default (moe_triton.TILE_TABLE: the
-# CUDA-core gemv at one token). Measured crossover (docs/notes/moe.md; H200, K2.6 TP-8 shard,
-# uniform routing, CUDA graphs): T=1 gemv 24.3 us, marlin 25.4; from T=2 on marlin is faster.
+KERNELS = ("auto", "decode", "marlin", "triton", "gemv", "torch")
+# "auto": one token on Hopper: the CUDA decode kernels (kernels.moe_decode) where they fit the
+# call; from MARLIN_MIN_TOKENS tokens the CUDA Marlin kernel (kernels.moe_marlin) where it fits
+# (bf16, sm_90+); elsewhere the Triton default (moe_triton.TILE_TABLE: the CUDA-core gemv at one
+# token). Measured crossover (docs/notes/moe.md; K2.6 TP-8 shard, uniform routing, CUDA graphs):
+# T=1 gemv 24.3 us, marlin 25.4 (H200); from T=2 on marlin is faster.
 MARLIN_MIN_TOKENS = 2
 
 
@@ -69,18 +70,29 @@ def resolve_moe_kernel(tokens: int, top_k: int, w: MarlinMoE, device, kernel: st
                        dtype: torch.dtype = torch.bfloat16, stream_rows: int = 1) -> tuple[str, dict]:
     """Which MoE kernel a call of `tokens` tokens runs, and its tiles: (name, tile dict).
 
-    kernel: "auto" (the measured rule: MARLIN_MIN_TOKENS), "marlin" (kernels.moe_marlin),
-    "triton" (kernels.moe_triton's tl.dot kernel), "gemv" (kernels.moe_gemv, CUDA cores or
-    sorted 16-row mma blocks), "torch" (fused_moe_ref)."""
+    kernel: "auto" (the measured rule: one token decode, then MARLIN_MIN_TOKENS), "decode"
+    (kernels.moe_decode, one token), "marlin" (kernels.moe_marlin), "triton" (kernels.moe_triton's
+    tl.dot kernel), "gemv" (kernels.moe_gemv, CUDA cores or sorted 16-row mma blocks), "torch"
+    (fused_moe_ref)."""
     from dataclasses import asdict
+
+    from ddbench.kernels import moe_decode
+    from ddbench.kernels.device import sm_count
 
     if kernel not in KERNELS:
         raise ValueError(f"unknown MoE kernel {kernel!r}; choose {', '.join(KERNELS)}")
     device = torch.device(device)
     if kernel == "torch":
         return "torch", {}
-    marlin_ok = (device.type == "cuda" and dtype == torch.bfloat16
-                 and torch.cuda.get_device_capability(device) >= (9, 0) and _marlin_shapes_ok(w))
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    decode_ok = (hopper and dtype in (torch.bfloat16, torch.float16) and tokens == 1
+                 and moe_decode.shapes_ok(tokens * top_k, w) and moe_decode.programs(top_k, w) <= sm_count(device))
+    if kernel == "decode" or (kernel == "auto" and decode_ok):
+        if not decode_ok:
+            raise ValueError("the decode MoE kernel needs one token in bf16 or fp16 on an sm_90+ GPU with enough SMs "
+                             "and kernels.moe_decode.fits shapes")
+        return "decode", {"w13_splits": moe_decode.KS, "programs": moe_decode.programs(top_k, w)}
+    marlin_ok = hopper and dtype == torch.bfloat16 and _marlin_shapes_ok(w)
     if kernel == "marlin" or (kernel == "auto" and marlin_ok and tokens >= MARLIN_MIN_TOKENS):
         if not marlin_ok:
             raise ValueError("the marlin MoE kernel needs bf16 on an sm_90+ GPU and kernels.moe_marlin.fits shapes")
@@ -112,22 +124,25 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
               backend: str = "torch", x_half: torch.Tensor | None = None, sum_k: bool = True,
               stream_rows: int = 1, *, kernel: str = "auto", pdl_mode: int = 2) -> torch.Tensor:
     """The MoE GEMM; `backend` is 'torch' (reference) or 'triton' (the GPU kernels, chosen by
-    `kernel`: see `resolve_moe_kernel`). Two options of the CUDA-core path only (kernel gemv;
-    x_half is ignored elsewhere): x_half, x already in that path's activation format
-    (`kernels.moe_gemv.half_rows(x)`: fp16), saves its first launch; sum_k=False returns the k
-    weighted rows per token, fp32 `[T*k, H]` (row t*k + j), for the caller to sum (saves its
-    last launch). stream_rows: tokens a stream in x (`moe_triton.default_config`). pdl_mode:
-    kernels.pdl's mode of the marlin kernel's launches (the Triton paths run mode 2 where PDL exists)."""
+    `kernel`: see `resolve_moe_kernel`). x_half (kernel gemv only, ignored elsewhere): x already
+    in that path's activation format (`kernels.moe_gemv.half_rows(x)`: fp16), saves its first
+    launch. sum_k=False (kernels gemv and decode, `takes_rows`) returns the k weighted rows per
+    token, fp32 `[T*k, H]` (row t*k + j), for the caller to sum (saves a launch). stream_rows: tokens a stream in x (`moe_triton.default_config`). pdl_mode:
+    kernels.pdl's mode of the marlin and decode kernels' launches (the Triton paths run mode 2 where PDL exists)."""
     if backend not in ("torch", "triton"):
         raise ValueError(f"unknown MoE backend {backend!r}; choose torch or triton")
     name, tiles = "torch", {}
     if backend == "triton":
         name, tiles = resolve_moe_kernel(topk_ids.shape[0], topk_ids.shape[1], w, x.device, kernel, dtype=x.dtype,
                                          stream_rows=stream_rows)
-    if not sum_k and name != "gemv":
-        raise ValueError("fused_moe(sum_k=False) needs the gemv kernel (uses_gemv)")
+    if not sum_k and name not in ROWS_KERNELS:
+        raise ValueError(f"fused_moe(sum_k=False) needs one of the kernels {', '.join(ROWS_KERNELS)} (takes_rows)")
     if name == "torch":
         return fused_moe_ref(x, topk_ids, topk_weights, w)
+    if name == "decode":
+        from ddbench.kernels.moe_decode import fused_moe_decode
+
+        return fused_moe_decode(x, topk_ids, topk_weights, w, sum_k, pdl_mode)
     if name == "marlin":
         from ddbench.kernels.moe_marlin import fused_moe_marlin
 
@@ -153,11 +168,21 @@ def _default_config(tokens: int, top_k: int, w: MarlinMoE, device, stream_rows: 
     return default_config(tokens, top_k, w.n_experts, w.inter, w.hidden, sm_count(device), stream_rows=stream_rows)
 
 
+ROWS_KERNELS = ("gemv", "decode")   # the kernels that take fused_moe(..., sum_k=False)
+
+
 def uses_gemv(tokens: int, top_k: int, w: MarlinMoE, device, *, kernel: str = "auto",
               dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether `fused_moe(backend="triton", kernel=kernel)` runs `tokens` tokens on the CUDA-core
-    path (kernels.moe_gemv), the one that takes `fused_moe(..., x_half=, sum_k=False)`."""
+    path (kernels.moe_gemv), whose input is fp16 (`fused_moe(..., x_half=)` saves its cast)."""
     return resolve_moe_kernel(tokens, top_k, w, device, kernel, dtype=dtype)[0] == "gemv"
+
+
+def takes_rows(tokens: int, top_k: int, w: MarlinMoE, device, *, kernel: str = "auto",
+               dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether that call takes `fused_moe(..., sum_k=False)` (returns the k weighted rows of each
+    token for the caller to sum)."""
+    return resolve_moe_kernel(tokens, top_k, w, device, kernel, dtype=dtype)[0] in ROWS_KERNELS
 
 
 def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddbench.kernels import moe_w2, pdl, ticket
+from ddbench.kernels import pdl, ticket
 from ddbench.kernels.moe_align import _block_rows, _scale_col, align_tokens
 
 STEP = 32  # K rows per loop step: two k-tiles, one scale group (group sizes are multiples of it)
@@ -489,10 +489,7 @@ def gemv_w2(mid: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     h = w.hidden
     ids = topk_ids.reshape(-1).to(torch.int32)
     act = mid if mid.dim() == 2 else half_rows(mid, _flat_weights(topk_weights), mid.shape[0])   # [T*k, I]
-    if routing is None and cfg.w2_cuda and moe_w2.fits(act, w):   # a decode token: its weights loaded before the PDL wait
-        y = moe_w2.moe_w2(act, ids, w, pdl=pdl.on(act) > 0)[None]                                # [1, T*k, H]
-    else:
-        y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
+    y = gemv(act, w.w2, w.w2_scale, w.group_size, ids, routing, t * k, 1, cfg, cfg.block_n2, 1)   # [1, T*k, H]
     if not sum_k:
         return y[0]
     out = torch.empty(t, h, dtype=dtype, device=mid.device)
@@ -509,7 +506,7 @@ def fused_moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     sum_k False: the k weighted rows per token, fp32 `[T*k, H]`, for the caller to sum.
 
     cfg (a `moe_triton.MoeTritonConfig`) gives block_m (1: no sorting, act fused into w13
-    when cfg.fuse_act; the other gemv options: mma, w2_cuda), block_n13, block_n2 (multiples of 64), split_k (0: `gemv_splits`),
+    when cfg.fuse_act; the other gemv option: mma), block_n13, block_n2 (multiples of 64), split_k (0: `gemv_splits`),
     num_warps, num_stages.
     """
     routing = gemv_routing(topk_ids, w, cfg)

@@ -39,23 +39,12 @@
 #define STAGE_U4(NBLK) (3 * (NBLK) + NG)      // per lane and stage: 2 word + 1 scale vectors a block, NG x pairs
 #define MAXE 1024
 
-__device__ __forceinline__ unsigned long long evict_first() {
-    unsigned long long p;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
-__device__ __forceinline__ void cp16_ef(unsigned dst, const void* src, unsigned long long pol) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "l"(pol) : "memory");
-}
 __device__ __forceinline__ void cp16(unsigned dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp4z(unsigned dst, const void* src, bool valid) {   // zeros when !valid
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 // nibbles of q as the four bf16x2 A registers (q - 8 each)
 __device__ __forceinline__ void dequant(unsigned q, unsigned a[4]) {
@@ -227,7 +216,6 @@ __device__ __forceinline__ void zero(float (&acc)[NBLK][4][NG][4]) {
                 for (int i = 0; i < 4; i++) acc[j][f][ng][i] = 0.f;
 }
 
-__device__ __forceinline__ float silu_mul(float gte, float up) { return gte / (1.f + __expf(-gte)) * up; }
 
 // ------------------------------------------------------------------------------------ w13
 

@@ -77,7 +77,6 @@ class MoeTritonConfig:
     # the gemv path's options (each measured faster on the H200: docs/notes/moe.md)
     fuse_act: bool = True   # block_m 1: SiLU(gate) * up * weight in w13's last program per assignment
     mma: bool = True        # sorted row blocks (block_m > 1) through the tensor cores (else packed fp16)
-    w2_cuda: bool = True    # a decode token's w2 on kernels.moe_w2 (weights loaded before the PDL wait)
     num_warps: int = 4
     num_stages: int = 3
 

@@ -29,7 +29,7 @@ from ddbench.engine import model as em
 from ddbench.engine.config import preset
 from ddbench.engine.decode import Decoder
 from ddbench.engine.parallel import RowParallelLinear, SimComm
-from ddbench.kernels import mla_decode, moe_gemv, moe_w2, skinny
+from ddbench.kernels import mla_decode, moe_decode, moe_gemv, skinny
 
 OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "pdl": [("ddbench.kernels.pdl", "ENABLED", False)],
@@ -42,7 +42,6 @@ OPTIONS = {  # option -> [(module, attribute, value that switches it off), ..]
     "attention merge + value projection": [("ddbench.kernels.mla_attn", "FUSE_PROJ", False)],
     "cuda gemv for wq_b": [("ddbench.kernels.skinny", "CUDA_GEMV", frozenset())],
     "mla decode in one launch": [("ddbench.kernels.mla_decode", "ENABLED", False)],
-    "moe w2 weights before the wait": [("ddbench.kernels.moe_w2", "ENABLED", False)],
 }
 _gemv = importlib.import_module("ddbench.kernels.moe_triton").TILE_TABLE
 _row0 = _gemv[0]
@@ -153,7 +152,7 @@ ABLATIONS = {  # name -> (model -> [(owner, attribute, stub), ..]); a MoE layer'
     "skip shared expert gate/up": lambda m: _skip(em.Ops, "glu_linear"),
     "skip MoE w13 + act": lambda m: _skip(moe_gemv, "gemv_w13"),
     "skip MoE w2": lambda m: _skip(moe_gemv, "gemv_w2"),
-    "skip MoE w2 (CUDA)": lambda m: _skip(moe_w2, "moe_w2"),
+    "skip MoE w2 (CUDA)": lambda m: _skip(moe_decode, "decode_w2"),
     "skip shared expert down + k-sum": lambda m: _skip(em.MLP, "down", lambda *a, add_rows=1, **k: add_rows > 1),
     "skip lm_head": lambda m: _skip(m.head, "forward"),
 }

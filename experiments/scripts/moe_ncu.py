@@ -5,7 +5,8 @@ python3 -m experiments.scripts.moe_ncu run T,T,...: for each T (in order) two ea
 one between cudaProfilerStart/Stop without PDL (each kernel's time is its own), so the profiled
 kernels come as (plan, w13, w2) per T. Run under `ncu --profile-from-start off --page raw --csv`
 and summarized by `experiments.scripts.decode_ncu summary`: `bash experiments/scripts/ncu.sh moe
-experiments.scripts.moe_ncu run 1,8,128,512,4096`.
+experiments.scripts.moe_ncu run 1,8,128,512,4096`. `... moe_ncu decode`: the one-token kernels
+(kernels/moe_decode.cu: decode_moe) the same way.
 """
 import sys
 
@@ -34,5 +35,24 @@ def run(tokens: list[int]) -> None:
         torch.cuda.profiler.stop()
 
 
+def decode() -> None:
+    from ddbench.kernels import moe_decode as md
+
+    dev = torch.device("cuda")
+    w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
+    x = torch.randn(1, H, device=dev).bfloat16()
+    ids, tw = synthetic_routing("uniform", 1, E, K, device=dev, seed=1)
+    for _ in range(2):
+        md.fused_moe_decode(x, ids, tw, w, pdl_mode=0)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    md.fused_moe_decode(x, ids, tw, w, pdl_mode=0)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 if __name__ == "__main__":
-    run([int(t) for t in sys.argv[2].split(",")])
+    if sys.argv[1] == "decode":
+        decode()
+    else:
+        run([int(t) for t in sys.argv[2].split(",")])
