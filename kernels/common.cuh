@@ -26,6 +26,11 @@ __device__ __forceinline__ float2 ld_f32x2(const float* p) {   // 8 bytes, L2 on
     asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
     return v;
 }
+__device__ __forceinline__ float4 ld_f32x4(const float* p) {   // 16 bytes, L2 only
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}
 __device__ __forceinline__ int ld_s32(const int* p) {       // L2 only
     int v;
     asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));

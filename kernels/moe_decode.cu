@@ -8,15 +8,15 @@
 //       I + 64p.. (Marlin blocks p and P13 + p), K split s = pid % KS. Each warp streams its
 //       share of the split, a scale group (G rows) a stage, through a private ring of STAGES13
 //       stages (cp.async, evict-first; each lane reads back only its own words, the scale
-//       vectors after a __syncwarp); the warps' sums meet in shared memory (warp order) and go
-//       to `part`; the last of a unit's KS programs (an atomic ticket) sums them in split order
-//       into the act columns, SiLU(gate) * up * top-k weight (fp16), and counts the unit done.
+//       vectors after a __syncwarp); the warps' sums meet in shared memory (warp order), go to
+//       `part`, and the program counts itself done.
 //   w2 (pid < H / 64): the 64 output columns of Marlin block pid for every assignment. Its
 //       words and scales are issued into shared memory at the start, beside the w13 role's
-//       ring; once all n x P13 units are done (a counter polled by one thread) it loads the act
-//       rows, warp j multiplies assignment j, and out bf16 [H] gets the sum over the
-//       assignments in their order, or (out null) y fp32 [n, H] each row. The last w2 program
-//       past the wait resets the counters.
+//       ring; once every w13 program is done (a counter polled by one thread) it sums the
+//       splits of every unit in split order into the act rows, SiLU(gate) * up * top-k weight
+//       (fp16, in shared memory), warp j multiplies assignment j, and out bf16 [H] gets the sum
+//       over the assignments in their order, or (out null) y fp32 [n, H] each row. The last w2
+//       program past the wait resets the counters.
 //
 // Marlin words (DESIGN §4): lane 4g + t of a warp takes the 16-byte vector lane of each
 // 64-column Marlin block of a k-tile row; its word `tile` holds K rows 16kt + 2t, +1, +8, +9 of
@@ -48,7 +48,6 @@ struct Shared {
     float red[WARPS][128], part[128];
     unsigned acts[MAXN][I / 2];            // act rows, fp16 pairs
     float rows[MAXN][64];                  // the w2 role's columns of each row
-    int last;
 };
 
 // the w13 role: this program's split of unit (j, p) -> sh.part (gate 0..63, up 64..127)
@@ -189,8 +188,7 @@ decode_moe(const unsigned short* x, int x_bf16,                   // [H]: bf16 (
            const unsigned* w13, const unsigned short* s13,        // Marlin [E, H/16, 4I], scales [E, H/G, 2I]
            const unsigned* w2, const unsigned short* s2,          // Marlin [E, I/16, 2H], scales [E, I/G, H]
            float* part,                                           // fp32 [n P13, KS, 128]: w13 splits' sums
-           unsigned short* act,                                   // fp16 [n, I]
-           int* counters,                                         // [n P13 + 2], zero: unit tickets, units done, w2 past
+           int* counters,                                         // [2], zero: w13 programs done, w2 programs past the wait
            float* y, unsigned short* out,                         // y fp32 [n, H] (out null) or out bf16 [H]
            int pdl)
 {
@@ -201,7 +199,7 @@ decode_moe(const unsigned short* x, int x_bf16,                   // [H]: bf16 (
     unsigned* xs = reinterpret_cast<unsigned*>(words + W2_U4);    // the w13 role's x pairs, fp16
     const int pid = blockIdx.x, units = n * P13;
     const bool has13 = pid < units * KS, has2 = pid < H / 64;
-    int* done = counters + units;
+    int* done = counters;
     pdl_enter(pdl);
     if (has2) {
         for (int i = threadIdx.x; i < n * KTI * 32; i += THREADS) {
@@ -215,42 +213,37 @@ decode_moe(const unsigned short* x, int x_bf16,                   // [H]: bf16 (
         cp_commit();
     }
     if (has13) {
-        const int unit = pid / KS, sp = pid % KS, j = unit / P13, p = unit % P13;
-        w13_split(ring, xs, sh, x, x_bf16, ids[j], p, sp, w13, s13);
+        const int unit = pid / KS, sp = pid % KS;
+        w13_split(ring, xs, sh, x, x_bf16, ids[unit / P13], unit % P13, sp, w13, s13);
         if (threadIdx.x < 128) part[((long)unit * KS + sp) * 128 + threadIdx.x] = sh.part[threadIdx.x];
         __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) {
-            sh.last = atomicAdd(counters + unit, 1) == KS - 1;
-            if (sh.last) counters[unit] = 0;
-        }
-        __syncthreads();
-        if (sh.last) {
-            __threadfence();
-            if (threadIdx.x < 64) {
-                float gs = 0.f, us = 0.f;
-#pragma unroll
-                for (int r = 0; r < KS; r++) {
-                    gs += ld_f32(part + ((long)unit * KS + r) * 128 + threadIdx.x);
-                    us += ld_f32(part + ((long)unit * KS + r) * 128 + 64 + threadIdx.x);
-                }
-                act[(long)j * I + p * 64 + threadIdx.x] = to_f16(silu_mul(gs, us) * topk_w[j]);
-            }
-            __threadfence();
-            __syncthreads();
-            if (threadIdx.x == 0) atomicAdd(done, 1);
-        }
+        if (threadIdx.x == 0) atomicAdd(done, 1);
     }
     if (!has2) return;
     if (threadIdx.x == 0) {
-        while (ld_acquire(done) < units) __nanosleep(64);
+        while (ld_acquire(done) < units * KS) __nanosleep(64);
         if (atomicAdd(done + 1, 1) == H / 64 - 1) {               // the last w2 program past the wait
             *done = 0;
             done[1] = 0;
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < n * I / 8; i += THREADS) reinterpret_cast<uint4*>(sh.acts)[i] = ld_v4(act + i * 8);
+    for (int i = threadIdx.x; i < n * I / 4; i += THREADS) {      // 4 act columns a step: sum the splits in order
+        const int unit = i / 16, c = 4 * (i % 16), j = unit / P13;
+        const float* up = part + (long)unit * KS * 128 + c;
+        float4 gs = make_float4(0.f, 0.f, 0.f, 0.f), us = gs;
+#pragma unroll
+        for (int r = 0; r < KS; r++) {
+            const float4 gv = ld_f32x4(up + r * 128), uv = ld_f32x4(up + r * 128 + 64);
+            gs.x += gv.x; gs.y += gv.y; gs.z += gv.z; gs.w += gv.w;
+            us.x += uv.x; us.y += uv.y; us.z += uv.z; us.w += uv.w;
+        }
+        const float wt = topk_w[j];
+        unsigned* dst = &sh.acts[j][((unit % P13) * 64 + c) / 2];
+        dst[0] = (unsigned)to_f16(silu_mul(gs.x, us.x) * wt) | (unsigned)to_f16(silu_mul(gs.y, us.y) * wt) << 16;
+        dst[1] = (unsigned)to_f16(silu_mul(gs.z, us.z) * wt) | (unsigned)to_f16(silu_mul(gs.w, us.w) * wt) << 16;
+    }
     cp_wait<0>();
     __syncthreads();
     w2_columns(words, sh, n, pid, y, out);

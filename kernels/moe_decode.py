@@ -4,10 +4,10 @@ At one token the MoE is a GEMV over its k experts' weights (22 MB at K2.6 TP-8):
 how fast those bytes arrive, plus what each kernel boundary costs (~2 us a dependent launch on
 an H100, measured: experiments/scripts/moe_decode_probe.py). So one launch does both GEMMs:
 each (expert, 64 gate + 64 up columns) unit's K splits stream their w13 words through per-warp
-cp.async rings, and the last split of a unit writes SiLU(gate) * up * top-k weight (fp16)
-and counts the unit done; meanwhile each of H/64 programs has its 64 output columns of every
-expert's w2 loading into shared memory, and once every unit is done it multiplies them by the
-act rows and sums over the experts in order. The products run on the tensor cores (each
+cp.async rings, write their sums and count themselves done; meanwhile each of H/64 programs has
+its 64 output columns of every expert's w2 loading into shared memory, and once every split is
+done it sums the splits into SiLU(gate) * up * top-k weight (fp16), multiplies its columns by
+those act rows and sums over the experts in order. The products run on the tensor cores (each
 Marlin word an fp16 A fragment, the token every column of B; fp32 sums, scaled per group in
 fp32); deterministic (fixed summation orders, no float atomics).
 
@@ -82,14 +82,13 @@ def fused_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     h, i = w.hidden, w.inter
     units = n * (i // 64)
     part = torch.empty(units, KS, 128, dtype=torch.float32, device=x.device)
-    act = torch.empty(n, i, dtype=torch.float16, device=x.device)
     y = None if sum_k else torch.empty(n, h, dtype=torch.float32, device=x.device)
     out = torch.empty(1, h, dtype=torch.bfloat16, device=x.device) if sum_k else None
     mode = pdl.on(x, pdl_mode)
     _kernel(h, i, w.group_size, x.device)(
         programs(n, w), THREADS, shared_bytes(h, i, w.group_size),
-        [x, int(x.dtype == torch.bfloat16), ids, tw, n, w.w13, w.w13_scale, w.w2, w.w2_scale, part, act,
-         ticket.counters(x.device, "moe_decode", units + 2), y, out, mode], pdl=mode > 0)
+        [x, int(x.dtype == torch.bfloat16), ids, tw, n, w.w13, w.w13_scale, w.w2, w.w2_scale, part,
+         ticket.counters(x.device, "moe_decode", 2), y, out, mode], pdl=mode > 0)
     return out.to(x.dtype) if sum_k else y
 
 

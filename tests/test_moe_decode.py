@@ -92,8 +92,7 @@ def test_gpu_rows_match_the_references(e, h, inter, group, n):
     assert torch.equal(md.fused_moe_decode(x.half(), ids, tw, w, sum_k=False, pdl_mode=0), rows)   # fp16 x: same
     out = md.fused_moe_decode(x, ids, tw, w, pdl_mode=0)
     assert out.dtype == torch.bfloat16 and _rel(out, want.sum(0, keepdim=True)) < 5e-3
-    units = n * inter // 64
-    assert not ticket.counters(dev, "moe_decode", units + 2).any()       # ready for the next launch
+    assert not ticket.counters(dev, "moe_decode", 2).any()               # ready for the next launch
 
 
 @pytest.mark.gpu
