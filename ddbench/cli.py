@@ -176,7 +176,7 @@ def moe_sweep(
     hot: int = typer.Option(16, "--hot", help="skewed routing: number of hot experts."),
     hot_share: float = typer.Option(0.5, "--hot-share", help="skewed routing: probability mass of the hot experts."),
     kernel: str = typer.Option("auto", "--kernel", help="GPU MoE kernel of the triton backend: auto (the "
-                               "measured rule, kernels.moe.resolve_moe_kernel), marlin, triton or gemv."),
+                               "measured rule, kernels.moe.resolve_moe_kernel), decode, marlin, wide, triton or gemv."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
     name: Optional[str] = typer.Option(None, "--name", help="Output name (default moe_sweep_tp{tp}_{timestamp})."),
     seed: int = SEED, out: Path = OUT,

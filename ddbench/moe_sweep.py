@@ -121,8 +121,8 @@ def stage_fns(backend: str, case: Case, w, mcfg, dtype):
             return moe.moe_ref_w2(acts[r], *case.routes[r], w, dtype)
         return {"layer": layer, "w13": w13, "w2": w2}
 
-    if backend == "marlin":
-        return _marlin_stage_fns(case, w, mcfg, it)
+    if backend in ("marlin", "wide"):
+        return _planned_stage_fns(backend, case, w, mcfg, it)
     if backend == "decode":
         return _decode_stage_fns(case, w, it)
     from ddbench.kernels import moe_triton as mt
@@ -147,26 +147,31 @@ def stage_fns(backend: str, case: Case, w, mcfg, dtype):
     return {"layer": layer, "w13": w13, "w2": w2}
 
 
-def _marlin_stage_fns(case: Case, w, tiles: dict, it):
-    """The CUDA Marlin kernel's stages (kernels.moe_marlin): w13 includes the planning launch;
-    w2 the top-k weights and the sum over k."""
+def _planned_stage_fns(name: str, case: Case, w, tiles: dict, it):
+    """The CUDA kernels that plan, then run w13 and w2 (kernels.moe_marlin, kernels.moe_wide):
+    w13 includes the planning launch; w2 the top-k weights and the sum over k."""
     from ddbench.kernels import moe_marlin as mm
+    from ddbench.kernels import moe_wide as mw
 
+    if name == "marlin":
+        ch, fused, gemm13, gemm2 = 8 * tiles["ng"], mm.fused_moe_marlin, mm.marlin_w13, mm.marlin_w2
+    else:
+        ch, fused, gemm13, gemm2 = 16 * tiles["mt"], mw.fused_moe_wide, mw.wide_w13, mw.wide_w2
     k = case.routes[0][0].shape[1]
-    plans = [mm.plan(ids, w.n_experts, 8 * tiles["ng"]) for ids, _ in case.routes]
-    acts = [mm.marlin_w13(x, p, k, w, tiles) for x, p in zip(case.xs, plans)]
+    plans = [mm.plan(ids, w.n_experts, ch) for ids, _ in case.routes]
+    acts = [gemm13(x, p, k, w, tiles) for x, p in zip(case.xs, plans)]
 
     def layer():
         r = next(it)
-        return mm.fused_moe_marlin(case.xs[r], *case.routes[r], w, tiles)
+        return fused(case.xs[r], *case.routes[r], w, tiles)
 
     def w13():
         r = next(it)
-        return mm.marlin_w13(case.xs[r], mm.plan(case.routes[r][0], w.n_experts, 8 * tiles["ng"]), k, w, tiles)
+        return gemm13(case.xs[r], mm.plan(case.routes[r][0], w.n_experts, ch), k, w, tiles)
 
     def w2():
         r = next(it)
-        return mm.marlin_w2(acts[r], plans[r], case.routes[r][1], w, tiles)
+        return gemm2(acts[r], plans[r], case.routes[r][1], w, tiles)
     return {"layer": layer, "w13": w13, "w2": w2}
 
 
@@ -215,7 +220,7 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
     backend_list = parse_choices(backends or ("torch,triton" if on_gpu else "torch"), BACKENDS, "--backends")
     routing_list = parse_choices(routing, ROUTINGS, "--routing")
     token_list = parse_int_list(tokens or DEFAULT_TOKENS, "--tokens")
-    from ddbench.kernels.moe import KERNELS, MARLIN_MIN_TOKENS
+    from ddbench.kernels.moe import KERNELS, MARLIN_MIN_TOKENS, WIDE_MIN_PER_EXPERT
 
     parse_choices(kernel, [k for k in KERNELS if k != "torch"], "--kernel")
     if "," in kernel:
@@ -274,7 +279,9 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
                         kernel=kernel, kernel_rule=("auto: decode (kernels.moe_decode) for T = 1 where it fits"
                                                     " (sm_90+); marlin (kernels.moe_marlin, tiles by T*k/E:"
                                                     f" moe_marlin.TILES) for T >= {MARLIN_MIN_TOKENS} where it fits"
-                                                    " (bf16, sm_90+), else the Triton default table"
+                                                    " (bf16, sm_90+); wide (kernels.moe_wide, tiles by T*k/E:"
+                                                    f" moe_wide.TILES) from T*k/E >= {WIDE_MIN_PER_EXPERT} where it"
+                                                    " fits; else the Triton default table"
                                                     " (kernels.moe_triton.TILE_TABLE)"))
     if not name:
         out, name = run_location(out, "moe_sweep", tag=f"tp{cfg.tp}")
@@ -296,7 +303,7 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
                     mcfg, kname, ktile = None, "torch", ""
                     if backend == "triton":
                         kname, ktile, mcfg = _pick_kernel(kernel, t, cfg, w, dev, dtype, n_sms, table)
-                    fns = stage_fns(kname if kname in ("marlin", "decode") else backend, case, w, mcfg, dtype)
+                    fns = stage_fns(kname if kname in ("marlin", "wide", "decode") else backend, case, w, mcfg, dtype)
                     err = None
                     if ref is not None:
                         y = fns["layer"]().float()
@@ -332,6 +339,8 @@ def _pick_kernel(kernel: str, t: int, cfg, w, dev, dtype, n_sms: int, table):
         raise UserError(f"--kernel {kernel}: {e}") from None
     if name == "marlin":
         return name, "ng{ng}s{stages}w{warps}k{splits}b{w2b}".format(**tiles), tiles
+    if name == "wide":
+        return name, "mt{mt}s{stages}w{warps}".format(**tiles), tiles
     if name == "decode":
         return name, "k{w13_splits}p{programs}".format(**tiles), tiles
     mcfg = MoeTritonConfig(**tiles)

@@ -53,7 +53,7 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {   // generic -> s
     return a;
 }
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {   // 16 bytes global -> shared, L2 only
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ unsigned long long evict_first() {   // L2 policy: weights read once
     unsigned long long p;

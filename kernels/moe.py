@@ -57,26 +57,28 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k:
     return ids.to(torch.int32), w
 
 
-KERNELS = ("auto", "decode", "marlin", "triton", "gemv", "torch")
-# "auto": one token on Hopper: the CUDA decode kernels (kernels.moe_decode) where they fit the
+KERNELS = ("auto", "decode", "marlin", "wide", "triton", "gemv", "torch")
+# "auto": one token on Hopper: the CUDA decode kernel (kernels.moe_decode) where it fits the
 # call; from MARLIN_MIN_TOKENS tokens the CUDA Marlin kernel (kernels.moe_marlin) where it fits
-# (bf16, sm_90+); elsewhere the Triton default (moe_triton.TILE_TABLE: the CUDA-core gemv at one
-# token). Measured crossover (docs/notes/moe.md; K2.6 TP-8 shard, uniform routing, CUDA graphs):
-# T=1 gemv 24.3 us, marlin 25.4 (H200); from T=2 on marlin is faster.
+# (bf16, sm_90+), from WIDE_MIN_PER_EXPERT tokens an expert (T*k/E) its large-T sibling
+# (kernels.moe_wide) where that fits; elsewhere the Triton default (moe_triton.TILE_TABLE: the
+# CUDA-core gemv at one token). Measured crossovers: docs/notes/moe.md.
 MARLIN_MIN_TOKENS = 2
+WIDE_MIN_PER_EXPERT = 16.0
 
 
 def resolve_moe_kernel(tokens: int, top_k: int, w: MarlinMoE, device, kernel: str = "auto", *,
                        dtype: torch.dtype = torch.bfloat16, stream_rows: int = 1) -> tuple[str, dict]:
     """Which MoE kernel a call of `tokens` tokens runs, and its tiles: (name, tile dict).
 
-    kernel: "auto" (the measured rule: one token decode, then MARLIN_MIN_TOKENS), "decode"
-    (kernels.moe_decode, one token), "marlin" (kernels.moe_marlin), "triton" (kernels.moe_triton's
+    kernel: "auto" (the measured rule: one token decode, then MARLIN_MIN_TOKENS, then
+    WIDE_MIN_PER_EXPERT), "decode" (kernels.moe_decode, one token), "marlin"
+    (kernels.moe_marlin), "wide" (kernels.moe_wide), "triton" (kernels.moe_triton's
     tl.dot kernel), "gemv" (kernels.moe_gemv, CUDA cores or sorted 16-row mma blocks), "torch"
     (fused_moe_ref)."""
     from dataclasses import asdict
 
-    from ddbench.kernels import moe_decode
+    from ddbench.kernels import moe_decode, moe_wide
     from ddbench.kernels.device import sm_count
 
     if kernel not in KERNELS:
@@ -92,6 +94,11 @@ def resolve_moe_kernel(tokens: int, top_k: int, w: MarlinMoE, device, kernel: st
             raise ValueError("the decode MoE kernel needs one token in bf16 or fp16 on an sm_90+ GPU with enough SMs "
                              "and kernels.moe_decode.fits shapes")
         return "decode", {"w13_splits": moe_decode.KS, "programs": moe_decode.programs(top_k, w)}
+    wide_ok = hopper and dtype == torch.bfloat16 and moe_wide.shapes_ok(w)
+    if kernel == "wide" or (kernel == "auto" and wide_ok and tokens * top_k / w.n_experts >= WIDE_MIN_PER_EXPERT):
+        if not wide_ok:
+            raise ValueError("the wide MoE kernel needs bf16 on an sm_90+ GPU and kernels.moe_wide.shapes_ok shapes")
+        return "wide", moe_wide.resolve_tiles(tokens, top_k, w)
     marlin_ok = hopper and dtype == torch.bfloat16 and _marlin_shapes_ok(w)
     if kernel == "marlin" or (kernel == "auto" and marlin_ok and tokens >= MARLIN_MIN_TOKENS):
         if not marlin_ok:
@@ -147,6 +154,10 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         from ddbench.kernels.moe_marlin import fused_moe_marlin
 
         return fused_moe_marlin(x, topk_ids, topk_weights, w, tiles, pdl_mode)
+    if name == "wide":
+        from ddbench.kernels.moe_wide import fused_moe_wide
+
+        return fused_moe_wide(x, topk_ids, topk_weights, w, tiles, pdl_mode)
     from ddbench.kernels.device import sm_count
     from ddbench.kernels.moe_triton import MoeTritonConfig, check_inputs, fused_moe_triton
 

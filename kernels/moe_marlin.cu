@@ -39,9 +39,6 @@
 #define STAGE_U4(NBLK) (3 * (NBLK) + NG)      // per lane and stage: 2 word + 1 scale vectors a block, NG x pairs
 #define MAXE 1024
 
-__device__ __forceinline__ void cp16(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-}
 __device__ __forceinline__ void cp4z(unsigned dst, const void* src, bool valid) {   // zeros when !valid
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
@@ -137,7 +134,7 @@ __device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring
                 const int nb = nb0 + j * nb_step;
                 cp16_ef(smem_addr(slot + (2 * j) * 32), wl + (long)kt * (2 * NDIM) + nb * 128, pol);
                 cp16_ef(smem_addr(slot + (2 * j + 1) * 32), wl + (long)(kt + 1) * (2 * NDIM) + nb * 128, pol);
-                cp16(smem_addr(slot + (2 * NBLK + j) * 32), sl + (long)(kt * 16 / G) * NDIM + nb * 64);
+                cp_async16(smem_addr(slot + (2 * NBLK + j) * 32), sl + (long)(kt * 16 / G) * NDIM + nb * 64);
             }
 #pragma unroll
             for (int ng = 0; ng < NV; ng++) {

@@ -147,8 +147,9 @@ def _key(tiles: dict) -> tuple:
 _TICKETS: dict = {}
 
 
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 ticket counters (every launch leaves them zero), grown outside graph capture."""
+def tickets(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 ticket counters of the marlin and wide kernels (every launch leaves them zero;
+    the kernels of one MoE call never run at the same time), grown outside graph capture."""
     have = _TICKETS.get(device)
     if have is None or have.numel() < n:
         if torch.cuda.is_current_stream_capturing():
@@ -197,7 +198,7 @@ def marlin_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict, pdl_
     rows = sorted_ids.numel()
     act = torch.empty(rows, i, dtype=torch.bfloat16, device=dev)
     part = torch.empty(splits * rows * 2 * i if splits > 1 else 1, dtype=torch.float32, device=dev)
-    tk = _tickets(dev, block_expert.numel() * (i // 64))
+    tk = tickets(dev, block_expert.numel() * (i // 64))
     key = _key(tiles)
     k = _kernel("moe_w13", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"])
     grid = _grid("moe_w13", key, w.group_size, h, i, top_k, dev)
@@ -217,7 +218,7 @@ def marlin_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, 
     h, i, dev = w.hidden, w.inter, act.device
     out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     ypart = torch.empty(t * top_k, h, dtype=torch.bfloat16, device=dev)   # each slot's weighted row
-    tk = _tickets(dev, t * (h // (64 * tiles["w2b"])))
+    tk = tickets(dev, t * (h // (64 * tiles["w2b"])))
     key = _key(tiles)
     k = _kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, h, i, top_k, dev, tiles["w2b"])
     grid = _grid("moe_w2", key, w.group_size, h, i, top_k, dev)

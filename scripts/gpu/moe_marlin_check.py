@@ -1,4 +1,5 @@
-"""Compile, check and time the CUDA Marlin MoE (kernels/moe_marlin.cu) against the Triton kernels
+"""Compile, check and time the CUDA Marlin MoE (kernels/moe_marlin.cu), its large-T sibling
+(kernels/moe_wide.cu, variants w<MT>[s<stages>]) and the Triton kernels
 at the K2.6 TP-8 rank shard (E=384, H=7168, I=256, group 32, top-8), uniform routing, CUDA
 graphs of ROT calls over rotated inputs. Writes moe_marlin_check.csv under the given folder and
 prints a short table last (whole layer, us, % of measured copy bandwidth).
@@ -20,6 +21,7 @@ import torch  # noqa: E402
 from ddbench import timing  # noqa: E402
 from ddbench.kernels import moe_marlin as mm  # noqa: E402
 from ddbench.kernels import moe_triton as mt  # noqa: E402
+from ddbench.kernels import moe_wide as mw  # noqa: E402
 from ddbench.kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing  # noqa: E402
 
 ROT = 10
@@ -27,18 +29,22 @@ E, H, I, G, K = 384, 7168, 256, 32, 8
 VARIANTS = ["m1", "m1k16", "m2", "m4", "triton"]   # default variants
 
 
-def variant(name: str) -> dict | None:
-    """'m<NG>[k<splits>][s<stages>][b<w2 blocks>]' -> marlin tiles (kernels.moe_marlin.resolve_tiles); 'triton' ->
-    None (the Triton default table)."""
+def variant(name: str) -> tuple[str, dict | None]:
+    """'m<NG>[k<splits>][s<stages>][b<w2 blocks>]' -> ("marlin", tiles for kernels.moe_marlin.resolve_tiles);
+    'w<MT>[s<stages>]' -> ("wide", tiles for kernels.moe_wide); 'triton' -> ("triton", None: the Triton default
+    table)."""
     if name == "triton":
-        return None
+        return "triton", None
+    m = re.fullmatch(r"w(\d)(?:s(\d+))?", name)
+    if m:
+        return "wide", {"mt": int(m[1]), "stages": int(m[2] or 4)}
     m = re.fullmatch(r"m(\d)(?:k(\d+))?(?:s(\d+))?(?:b(\d))?", name)
     if not m:
         raise SystemExit(f"unknown variant {name!r}")
     tiles = {"ng": int(m[1]), "stages": int(m[3] or 4), "warps": 4, "w2b": int(m[4] or 2)}
     if m[2]:
         tiles["splits"] = int(m[2])
-    return tiles
+    return "marlin", tiles
 
 
 def main() -> None:
@@ -66,13 +72,19 @@ def main() -> None:
         flops = 2 * t * K * 3 * H * I
         ref = fused_moe_ref(xs[0].float(), *routes[0], w).float()
         for name in names:
-            spec = variant(name)
-            if spec is None:
+            kind, spec = variant(name)
+            if kind == "triton":
                 cfg = mt.default_config(t, K, E, I, H, mt.sm_count(dev))
                 tiles = f"{'gemv-' if cfg.gemv else ''}m{cfg.block_m}"
 
                 def fn(r, cfg=cfg):
                     return mt.fused_moe_triton(xs[r], *routes[r], w, cfg)
+            elif kind == "wide":
+                tl = mw.resolve_tiles(t, K, w, spec)
+                tiles = "mt{mt}s{stages}w{warps}".format(**tl)
+
+                def fn(r, tl=tl):
+                    return mw.fused_moe_wide(xs[r], *routes[r], w, tl)
             else:
                 tl = mm.resolve_tiles(t, K, w, dev, spec)
                 tiles = "ng{ng}s{stages}w{warps}k{splits}b{w2b}".format(**tl)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call for a change to the MoE kernels: their GPU tests, then (only if they pass)
+# STEPS of: probe (experiments/scripts/moe_decode_probe.py), sweep (moe-sweep TP-8 and TP-1,
+# the default rule), e2e (K2.6 TP-8 rank 0, uniform routing, GSM8K paper profile, c = 1 and 10,
+# budgets 8 and 16, of the tree in .snap, the commit before, and of this tree). Files land flat
+# in $OUT (<gpu>_<stamp>_<TAG>_<what>.csv) with $OUT/log.txt.
+#   rm -rf .snap && mkdir .snap && git archive HEAD~N | tar x -C .snap
+#   TAG=wide STEPS="sweep e2e" bash experiments/scripts/moe_change_run.sh
+cd "$(dirname "$0")/../.." || exit 1
+export PYTHONUNBUFFERED=1
+. scripts/gpu/lib.sh
+GPU=${RES#results/}
+S=$(date -u +%Y%m%d-%H%M%S)_${TAG:-change}
+STEPS=${STEPS:-sweep e2e}
+exec > >(tee "$OUT/log.txt") 2>&1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+timeout 240 python3 -m pytest -q -m gpu ${TESTS:-tests/test_moe_decode.py tests/test_moe_marlin.py tests/test_moe_wide.py} 2>&1 \
+  | grep -E "passed|failed|^E " | head -12
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "GPU tests failed: no benchmarks"; exit 1; }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+has probe && timeout 120 python3 -m experiments.scripts.moe_decode_probe "$OUT/${GPU}_${S}_probe.csv" 2>&1 | tail -7
+SW="moe-sweep --preset k2.6 --backends triton --routing uniform --out $OUT"
+if has sweep; then
+  timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8" 2>&1 | grep -E "^triton .* y " | head -14
+  timeout -s INT 90 python3 -m ddbench $SW --tp 1 --name "${GPU}_${S}_tp1" 2>&1 | grep -E "^triton .* y " | head -14
+fi
+E2E="e2e --preset k2.6 --tp 8 --simulate-rank 0 --prompt-len 128 --new-tokens 64 --routing uniform --concurrency 1,10 --budget 8,16 --acceptance rank:dflash-k25-gsm8k-paper --out $OUT"
+if has e2e; then
+  (cd .snap && timeout -s INT 150 python3 -m ddbench $E2E --name "${GPU}_${S}_e2e_before" 2>&1 | tail -2)
+  timeout -s INT 150 python3 -m ddbench $E2E --name "${GPU}_${S}_e2e" 2>&1 | tail -2
+fi

@@ -1,0 +1,151 @@
+"""W4A16 MoE for many tokens an expert in CUDA (`kernels/moe_wide.cu`): the tokens as the mma's
+16-row A operand (MT 16-row tiles a block, read with ldmatrix), the Marlin words as its
+8-column B operand, so each dequantized word feeds 2*MT tensor-core products where
+`moe_marlin` (weights as A, at most 16 tokens an item) feeds 2: the large-T path.
+
+`fused_moe_wide(x, topk_ids, topk_weights, w)` computes what `kernels.moe.fused_moe_ref`
+computes in three launches and no host syncs (CUDA-graph safe): `moe_marlin.plan` with blocks
+of 16*MT rows, then `wide_w13` (one item a (block, 32*WARPS gate + up columns), SiLU(gate) * up
+in the epilogue) and `wide_w2` (one item a (block, 64*WARPS output columns); each row times
+its top-k weight, and the last of a token's k items sums its k rows in slot order). A program
+of WARPS warps streams its block's rows, words and scales a 32-row K stage at a time through
+one shared ring; no K split. The weight is (q - 8) * scale rounded to bf16 once (moe_marlin
+keeps q - 8 exact and scales the fp32 product): relative error ~2e-3 against the fp32 reference.
+
+`tiles_for` picks MT by tokens per expert (TILES); `fits` says whether a call qualifies.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ddbench.kernels import moe_marlin, pdl
+
+WARPS = 8
+STAGE_BYTES = 16
+# (max tokens per expert T*k/E, MT 16-row tiles a block, STAGES); first match
+TILES: list[tuple[float, int, int]] = [
+    (16.0, 1, 4),
+    (32.0, 2, 4),
+    (float("inf"), 4, 4),
+]
+
+
+def fits(x: torch.Tensor, topk_ids: torch.Tensor, w) -> bool:
+    """Whether `fused_moe_wide` takes these arguments (bf16 on sm_90+, shapes as `shapes_ok`)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == w.hidden
+            and torch.cuda.get_device_capability(x.device) >= (9, 0) and shapes_ok(w)
+            and topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0])
+
+
+def shapes_ok(w) -> bool:
+    """Group a multiple of 32 with at least two a column, I a multiple of 32*WARPS (w13's chunk),
+    H of 64*WARPS (w2's), at most moe_marlin.MAXE experts (the planning)."""
+    return (w.group_size % 32 == 0 and w.inter // w.group_size >= 2 and w.hidden // w.group_size >= 2
+            and w.inter % (32 * WARPS) == 0 and w.hidden % (64 * WARPS) == 0 and w.n_experts <= moe_marlin.MAXE)
+
+
+def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
+    """{"mt", "stages", "warps"} of the first TILES row whose bound holds T*k/E."""
+    per_expert = tokens * top_k / n_experts
+    _, mt, stages = next(r for r in (table or TILES) if per_expert <= r[0])
+    return {"mt": mt, "stages": stages, "warps": WARPS}
+
+
+def shared_bytes(tiles: dict) -> int:
+    """The ring: stages x (x rows 16*MT x 64 bytes + words 64 vectors a warp + scales 8 a warp) x 16 bytes."""
+    return tiles["stages"] * (64 * tiles["mt"] + 72 * tiles["warps"]) * STAGE_BYTES
+
+
+def emulate_b_fragments(word: torch.Tensor) -> torch.Tensor:
+    """The kernel's dequant of one lane's Marlin words (int32 `[32]`, lanes 4g + t) read back as
+    the two m16n8k16 B operands (k 16 x n 8, PTX's fragment layout: b0b1 = (k 2t, 2t+1; n g),
+    b2b3 = (k 2t+8, 2t+9; n g)) side by side, values q: the CPU check that the words are the
+    16x16 tile (k, n) as moe_wide.cu reads them."""
+    b = torch.zeros(16, 16, dtype=torch.int64)
+    w = word.to(torch.int64) & 0xFFFFFFFF
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        p = [((w[lane] >> (4 * i)) & 0xF, (w[lane] >> (16 + 4 * i)) & 0xF) for i in range(4)]   # lop3 of q >> 4i
+        for reg, (k, n) in enumerate([(2 * t, g), (2 * t + 8, g), (2 * t, g + 8), (2 * t + 8, g + 8)]):
+            b[k, n], b[k + 1, n] = p[reg]
+    return b
+
+
+# ---------------------------------------------------------------- the CUDA launches
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str, mt: int, stages: int, warps: int, group: int, hidden: int, inter: int, top_k: int,
+            device: torch.device):
+    from ddbench.kernels.cuda import Kernel
+    return Kernel("moe_wide.cu", name, {"MT": mt, "STAGES": stages, "WARPS": warps, "G": group, "H": hidden,
+                                        "I": inter, "TOPK": top_k}, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _grid(name: str, mt: int, stages: int, warps: int, group: int, hidden: int, inter: int, top_k: int,
+          device: torch.device) -> int:
+    from ddbench.kernels.cuda import occupancy
+
+    tiles = {"mt": mt, "stages": stages, "warps": warps}
+    k = _kernel(name, mt, stages, warps, group, hidden, inter, top_k, device)
+    per_sm = occupancy(k, 32 * warps, shared_bytes(tiles))
+    if per_sm < 1:
+        raise ValueError(f"moe_wide: tiles {tiles} do not fit one SM")
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def resolve_tiles(tokens: int, top_k: int, w, tiles: dict | None = None) -> dict:
+    """The tile dict a call runs: tiles_for's, or `tiles` ({"mt", "stages"}; warps is WARPS)."""
+    t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
+    t.setdefault("stages", 4)
+    t["warps"] = WARPS
+    if t["mt"] not in (1, 2, 4) or not 2 <= t["stages"] <= 8:
+        raise ValueError(f"moe_wide: mt must be 1, 2 or 4 and stages 2..8, got {t}")
+    return t
+
+
+def _launch(name: str, tiles: dict, w, top_k: int, device: torch.device, args: list, mode: int) -> None:
+    key = (tiles["mt"], tiles["stages"], tiles["warps"], w.group_size, w.hidden, w.inter, top_k, device)
+    _kernel(name, *key)(_grid(name, *key), 32 * tiles["warps"], shared_bytes(tiles), args + [mode], pdl=mode > 0)
+
+
+def wide_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict, pdl_mode: int = 2) -> torch.Tensor:
+    """The w13 GEMM alone (routing from moe_marlin.plan with CH = 16*tiles['mt']): x bf16
+    `[T, H]` -> SiLU(gate)*up bf16 `[rows, I]` in the plan's sorted rows."""
+    sorted_ids, block_expert, block_rows, n_blocks = routing
+    act = torch.empty(sorted_ids.numel(), w.inter, dtype=torch.bfloat16, device=x.device)
+    _launch("wide_w13", tiles, w, top_k, x.device,
+            [x.contiguous(), w.w13, w.w13_scale, sorted_ids, block_expert, block_rows, n_blocks, act],
+            pdl.on(x, pdl_mode))
+    return act
+
+
+def wide_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, tiles: dict,
+            pdl_mode: int = 2) -> torch.Tensor:
+    """The w2 GEMM alone, top-k weights and the sum over k included: `wide_w13`'s output ->
+    bf16 `[T, H]`."""
+    sorted_ids, block_expert, block_rows, n_blocks = routing
+    t, top_k = topk_weights.shape
+    h, dev = w.hidden, act.device
+    out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    ypart = torch.empty(t * top_k, h, dtype=torch.bfloat16, device=dev)   # each slot's weighted row
+    tickets = moe_marlin.tickets(dev, t * (h // (64 * tiles["warps"])))
+    _launch("wide_w2", tiles, w, top_k, dev,
+            [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
+             topk_weights.reshape(-1).float().contiguous(), ypart, tickets, out], pdl.on(act, pdl_mode))
+    return out
+
+
+def fused_moe_wide(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w,
+                   tiles: dict | None = None, pdl_mode: int = 2) -> torch.Tensor:
+    """x bf16 `[T, H]`, routing `[T, k]`, `MarlinMoE` -> bf16 `[T, H]` (as fused_moe_ref).
+    pdl_mode: kernels.pdl's mode of the three launches."""
+    if not fits(x, topk_ids, w):
+        raise ValueError(f"moe_wide does not take x {x.dtype} {tuple(x.shape)} on {x.device} with experts of "
+                         f"H = {w.hidden}, I = {w.inter}, group {w.group_size} (kernels.moe_wide.fits)")
+    t = resolve_tiles(topk_ids.shape[0], topk_ids.shape[1], w, tiles)
+    routing = moe_marlin.plan(topk_ids, w.n_experts, 16 * t["mt"], pdl_mode)
+    act = wide_w13(x, routing, topk_ids.shape[1], w, t, pdl_mode)
+    return wide_w2(act, routing, topk_weights, w, t, pdl_mode)

@@ -1,0 +1,105 @@
+"""kernels.moe_wide: the B-operand fragment mapping and the tile rule on the CPU; the CUDA
+kernels against the fp32 reference, run to run and in CUDA graphs on a GPU."""
+import pytest
+import torch
+
+from ddbench.kernels import marlin, moe_wide as mw
+from ddbench.kernels.moe import ROUTINGS, fused_moe_ref, random_marlin_moe, resolve_moe_kernel, synthetic_routing
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_b_fragments_are_the_tile(seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (32, 128), generator=g)
+    packed = marlin.pack(q)                                              # [2, 256]
+    for kt in range(2):
+        for nb in range(2):
+            for tile in range(4):
+                words = packed[kt, nb * 128 + torch.arange(32) * 4 + tile]
+                want = q[16 * kt:16 * kt + 16, 64 * nb + 16 * tile:64 * nb + 16 * tile + 16]
+                assert torch.equal(mw.emulate_b_fragments(words), want.long())
+
+
+def test_tiles_and_shapes():
+    assert mw.tiles_for(512, 8, 384)["mt"] == 1           # 10.7 tokens an expert
+    assert mw.tiles_for(1024, 8, 384)["mt"] == 2          # 21.3
+    assert mw.tiles_for(4096, 8, 384) == {"mt": 4, "stages": 4, "warps": mw.WARPS}
+    assert mw.shared_bytes({"mt": 4, "stages": 4, "warps": 8}) == 4 * (256 + 576) * 16
+    k26 = random_marlin_moe(4, 7168, 256, 32, top_k=2, chunk=4)
+    assert mw.shapes_ok(k26)
+    assert not mw.shapes_ok(random_marlin_moe(4, 7168, 128, 32, top_k=2, chunk=4))   # I not a multiple of 256
+    with pytest.raises(ValueError):
+        mw.resolve_tiles(64, 8, k26, {"mt": 3})
+
+
+def test_resolve_on_cpu_never_wide():
+    w = random_marlin_moe(8, 512, 256, 32, top_k=2, chunk=8)
+    assert resolve_moe_kernel(4096, 2, w, "cpu")[0] in ("gemv", "triton")
+    with pytest.raises(ValueError):
+        resolve_moe_kernel(4096, 2, w, "cpu", "wide")
+
+
+# ---------------------------------------------------------------- GPU
+
+@pytest.fixture(scope="module")
+def k26():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    return random_marlin_moe(384, 7168, 256, 32, top_k=8, device=torch.device("cuda"), seed=5)
+
+
+def _case(routing, tokens, w, seed):
+    dev = torch.device("cuda")
+    x = torch.randn(tokens, w.hidden, device=dev, generator=torch.Generator(dev).manual_seed(seed)).bfloat16()
+    if routing == "router":
+        from ddbench.kernels.moe import random_router, route
+        gw, bias = random_router(w.hidden, w.n_experts, device=dev, seed=seed)
+        ids, tw = route(x, gw, bias, 8, 2.5)
+    else:
+        ids, tw = synthetic_routing(routing, tokens, w.n_experts, 8, device=dev, seed=seed)
+    return x, ids, tw
+
+
+def _err(y, want):
+    return ((y.float() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens", [1, 8, 33, 512, 1024, 4096])
+def test_wide_matches_reference(k26, routing, tokens):
+    x, ids, tw = _case(routing, tokens, k26, seed=tokens + 1)
+    want = fused_moe_ref(x.float(), ids, tw, k26).float()
+    y = mw.fused_moe_wide(x, ids, tw, k26)
+    assert _err(y, want) <= 1e-2
+    assert torch.equal(y, mw.fused_moe_wide(x, ids, tw, k26))           # bitwise run to run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mt,stages", [(1, 3), (2, 4), (4, 4), (4, 6)])
+def test_wide_tiles_and_graph_replay(k26, mt, stages):
+    """Every MT, eager = graph replay; skewed routing gives blocks of every count of valid
+    16-row tiles."""
+    x, ids, tw = _case("skewed", 600, k26, seed=mt)
+    tiles = mw.resolve_tiles(600, 8, k26, {"mt": mt, "stages": stages})
+    eager = mw.fused_moe_wide(x, ids, tw, k26, tiles)
+    assert _err(eager, fused_moe_ref(x.float(), ids, tw, k26).float()) <= 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mw.fused_moe_wide(x, ids, tw, k26, tiles)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [64, 128])
+def test_wide_tp1_shape_and_groups(group):
+    """I = 2048 (K2.6 TP-1: 8 w13 chunks) and the larger scale groups."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    w = random_marlin_moe(16, 7168, 2048, group, top_k=8, device=torch.device("cuda"), seed=group)
+    x, ids, tw = _case("uniform", 64, w, seed=group)
+    want = fused_moe_ref(x.float(), ids, tw, w).float()
+    assert _err(mw.fused_moe_wide(x, ids, tw, w), want) <= 1e-2
