@@ -20,7 +20,8 @@
 // exactly, one bf16x2 multiply by the column's scale (rounded to bf16 once) the weight.
 //
 // Determinism: no K split; w2's weighted rows (bf16) are summed in fp32 in slot order by the
-// last of a token's k items (atomic ticket, reset by that last user).
+// last of a token's k items (atomic ticket, reset by that last user), 64 threads a token and
+// 8 columns a thread, so a program sums THREADS/64 tokens at once.
 //
 // Compile-time: MT (16-row tiles a block), STAGES, WARPS, G (group), H, I, TOPK.
 #include "common.cuh"
@@ -33,7 +34,7 @@
 #define SV (NB * 8)               // scales: NB blocks x 64 bf16
 #define STAGE_V (XV + WV + SV)
 
-static_assert(XV <= THREADS && SV <= THREADS && WV % THREADS == 0, "one x and one scale vector a thread at most");
+static_assert(XV <= THREADS && SV <= THREADS && WV % THREADS == 0 && THREADS % 64 == 0, "one x and one scale vector a thread at most");
 static_assert(MT == 1 || MT == 2 || MT == 4, "MT is 1, 2 or 4");
 
 __device__ __forceinline__ void cp16z(unsigned dst, const void* src, bool valid) {   // zeros when !valid
@@ -118,7 +119,7 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
     constexpr int K = W13 ? H : I, N = W13 ? 2 * I : H, NST = K / 32;
     constexpr int CHUNKS = W13 ? I / (32 * WARPS) : H / (64 * WARPS);
     extern __shared__ uint4 smem[];
-    __shared__ int last_tok[CH];
+    __shared__ int last_tok[CH], n_last;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     // Marlin block of item block j (0..NB-1) in chunk c
     auto nb_of = [](int j, int c) { return W13 ? (j < NB / 2 ? c * NB / 2 + j : I / 64 + c * NB / 2 + j - NB / 2) : c * NB + j; };
@@ -228,29 +229,38 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
                                 *(unsigned*)(dst + 16 * f + 8 * n) = bf16x2(acc[m][f][n][2 * hf] * wt, acc[m][f][n][2 * hf + 1] * wt);
                     }
                 }
+            if (tid == 0) n_last = 0;
             __threadfence();
             __syncthreads();
             if (tid < rows) {
                 const int tok = sorted[blk * CH + tid] / TOPK;
                 int* tk = tickets + tok * CHUNKS + c;
-                const bool last = atomicAdd(tk, 1) == TOPK - 1;
-                if (last) *tk = 0;
-                last_tok[tid] = last ? tok : -1;
+                if (atomicAdd(tk, 1) == TOPK - 1) {
+                    *tk = 0;
+                    last_tok[atomicAdd(&n_last, 1)] = tok;      // any order: one thread group sums a token
+                }
             }
             __syncthreads();
             __threadfence();
-            const int col = c * 64 * NB + 2 * tid;              // a column pair a thread
-            for (int r = 0; r < rows; r++) {
-                const int tok = last_tok[r];
-                if (tok < 0) continue;
-                float s0 = 0.f, s1 = 0.f;
+            // the tokens whose k rows are all written: 64 threads a token (8 columns each), THREADS/64 at a time
+            const int col = c * 64 * NB + 8 * (tid % 64);
+            for (int i = tid / 64; i < n_last; i += THREADS / 64) {
+                const int tok = last_tok[i];
+                uint4 v[TOPK];
+#pragma unroll
+                for (int j = 0; j < TOPK; j++) v[j] = ld_v4(ypart + (long)(tok * TOPK + j) * H + col);
+                float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int j = 0; j < TOPK; j++) {
-                    const unsigned v = ld_s32((const int*)(ypart + (long)(tok * TOPK + j) * H + col));
-                    s0 += bf16_lo(v);
-                    s1 += bf16_hi(v);
+                    const unsigned u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+                    for (int p = 0; p < 4; p++) {
+                        sum[2 * p] += bf16_lo(u[p]);
+                        sum[2 * p + 1] += bf16_hi(u[p]);
+                    }
                 }
-                *(unsigned*)(out + (long)tok * H + col) = bf16x2(s0, s1);
+                *(uint4*)(out + (long)tok * H + col) =
+                    make_uint4(bf16x2(sum[0], sum[1]), bf16x2(sum[2], sum[3]), bf16x2(sum[4], sum[5]), bf16x2(sum[6], sum[7]));
             }
         }
 #pragma unroll
