@@ -64,6 +64,17 @@ __device__ __forceinline__ void dequant_b(unsigned q, unsigned sc, unsigned b[4]
 // byte offset in a stage's x rows of 16-byte chunk c (0-3) of row r: chunk c ^ ((r / 2) % 4)
 __device__ __forceinline__ int xoff(int r, int c) { return r * 64 + 16 * (c ^ ((r >> 1) & 3)); }
 
+__device__ __forceinline__ void zero(float (&acc)[MT][4][2][4]) {
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int f = 0; f < 4; f++)
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[m][f][n][i] = 0.f;
+}
+
 // the warp's products of one stage over the first MV 16-row tiles
 template <bool W13, int MV>
 __device__ __forceinline__ void stage_mma(float (&acc)[MT][4][2][4], const uint4* slot, int warp, int lane) {
@@ -159,14 +170,7 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
     };
 
     float acc[MT][4][2][4];
-#pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int f = 0; f < 4; f++)
-#pragma unroll
-            for (int n = 0; n < 2; n++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) acc[m][f][n][i] = 0.f;
+    zero(acc);
 #pragma unroll
     for (int i = 0; i < STAGES - 1; i++) issue(i);
     int c = 0, blk = 0, rows = 0, mv = 0;
@@ -263,14 +267,7 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
                     make_uint4(bf16x2(sum[0], sum[1]), bf16x2(sum[2], sum[3]), bf16x2(sum[4], sum[5]), bf16x2(sum[6], sum[7]));
             }
         }
-#pragma unroll
-        for (int m = 0; m < MT; m++)
-#pragma unroll
-            for (int f = 0; f < 4; f++)
-#pragma unroll
-                for (int n = 0; n < 2; n++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) acc[m][f][n][i] = 0.f;
+        zero(acc);
     }
     cp_wait<0>();
 }
