@@ -338,9 +338,11 @@ def _pick_kernel(kernel: str, t: int, cfg, w, dev, dtype, n_sms: int, table):
     except ValueError as e:
         raise UserError(f"--kernel {kernel}: {e}") from None
     if name == "marlin":
-        return name, "ng{ng}s{stages}w{warps}k{splits}b{w2b}".format(**tiles), tiles
+        from ddbench.kernels.moe_marlin import tile_name
+        return name, tile_name(tiles), tiles
     if name == "wide":
-        return name, "mt{mt}s{stages}w{warps}".format(**tiles), tiles
+        from ddbench.kernels.moe_wide import tile_name
+        return name, tile_name(tiles), tiles
     if name == "decode":
         return name, "k{w13_splits}p{programs}".format(**tiles), tiles
     mcfg = MoeTritonConfig(**tiles)

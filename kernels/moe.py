@@ -78,7 +78,7 @@ def resolve_moe_kernel(tokens: int, top_k: int, w: MarlinMoE, device, kernel: st
     (fused_moe_ref)."""
     from dataclasses import asdict
 
-    from ddbench.kernels import moe_decode, moe_wide
+    from ddbench.kernels import moe_decode, moe_marlin, moe_wide
     from ddbench.kernels.device import sm_count
 
     if kernel not in KERNELS:
@@ -99,13 +99,11 @@ def resolve_moe_kernel(tokens: int, top_k: int, w: MarlinMoE, device, kernel: st
         if not wide_ok:
             raise ValueError("the wide MoE kernel needs bf16 on an sm_90+ GPU and kernels.moe_wide.shapes_ok shapes")
         return "wide", moe_wide.resolve_tiles(tokens, top_k, w)
-    marlin_ok = hopper and dtype == torch.bfloat16 and _marlin_shapes_ok(w)
+    marlin_ok = hopper and dtype == torch.bfloat16 and moe_marlin.shapes_ok(w)
     if kernel == "marlin" or (kernel == "auto" and marlin_ok and tokens >= MARLIN_MIN_TOKENS):
         if not marlin_ok:
-            raise ValueError("the marlin MoE kernel needs bf16 on an sm_90+ GPU and kernels.moe_marlin.fits shapes")
-        from ddbench.kernels.moe_marlin import resolve_tiles
-
-        return "marlin", resolve_tiles(tokens, top_k, w, device)
+            raise ValueError("the marlin MoE kernel needs bf16 on an sm_90+ GPU and kernels.moe_marlin.shapes_ok shapes")
+        return "marlin", moe_marlin.resolve_tiles(tokens, top_k, w, device)
     from ddbench.kernels import moe_triton as mt
 
     sms = mt.sm_count(device)
@@ -118,13 +116,6 @@ def resolve_moe_kernel(tokens: int, top_k: int, w: MarlinMoE, device, kernel: st
     fields = next((f for b, f in rows if per_expert <= b), rows[-1][1])
     cfg = mt.default_config(tokens, top_k, w.n_experts, w.inter, w.hidden, sms, table=[(float("inf"), fields)])
     return kernel, asdict(cfg)
-
-
-def _marlin_shapes_ok(w: MarlinMoE) -> bool:
-    from ddbench.kernels import moe_marlin
-
-    return (w.group_size % 32 == 0 and w.inter // w.group_size >= 2 and w.hidden // w.group_size >= 2
-            and w.hidden % 128 == 0 and w.inter % 64 == 0 and w.n_experts <= moe_marlin.MAXE)
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MarlinMoE,

@@ -45,10 +45,20 @@ TILES: list[tuple[float, int, int, int, int]] = [
 def fits(x: torch.Tensor, topk_ids: torch.Tensor, w) -> bool:
     """Whether `fused_moe_marlin` takes these arguments."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == w.hidden
-            and torch.cuda.get_device_capability(x.device) >= (9, 0)
-            and w.group_size % 32 == 0 and w.inter // w.group_size >= 2 and w.hidden // w.group_size >= 2
-            and w.hidden % 128 == 0 and w.inter % 64 == 0 and w.n_experts <= MAXE
+            and torch.cuda.get_device_capability(x.device) >= (9, 0) and shapes_ok(w)
             and topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0])
+
+
+def shapes_ok(w) -> bool:
+    """The shape conditions of `fits` on the experts w: group a multiple of 32 with at least two
+    groups a column, H a multiple of 128, I of 64, at most MAXE experts (the planning)."""
+    return (w.group_size % 32 == 0 and w.inter // w.group_size >= 2 and w.hidden // w.group_size >= 2
+            and w.hidden % 128 == 0 and w.inter % 64 == 0 and w.n_experts <= MAXE)
+
+
+def tile_name(tiles: dict) -> str:
+    """The tile string result files record, e.g. 'ng2s4w4k1b2'."""
+    return "ng{ng}s{stages}w{warps}k{splits}b{w2b}".format(**tiles)
 
 
 def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
@@ -102,16 +112,21 @@ def plan_ref(topk_ids: torch.Tensor, n_experts: int, ch: int):
     return sorted_ids, block_expert, block_rows, torch.tensor([total], dtype=torch.int32, device=ids.device)
 
 
+def nibble_pairs(word: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Each lane's four nibble pairs (i, i + 4), i = 0..3, of its Marlin word (int32 `[32]`):
+    what the kernels' LOP3 of q >> 4i makes of it, before any fragment mapping."""
+    w = word.to(torch.int64) & 0xFFFFFFFF
+    return [[(int(w[lane] >> (4 * i)) & 0xF, int(w[lane] >> (16 + 4 * i)) & 0xF) for i in range(4)] for lane in range(32)]
+
+
 def emulate_a_fragment(word: torch.Tensor) -> torch.Tensor:
     """The kernel's dequant of one lane's Marlin words (int32 `[32]`, lanes 4g + t) read back as
     the 16x16 A matrix (rows n, columns k) of m16n8k16 by PTX's fragment layout (values q, no
     zero point): the CPU check that the A-operand mapping in moe_marlin.cu is the tile's
     transpose."""
     a = torch.zeros(16, 16, dtype=torch.int64)
-    w = word.to(torch.int64) & 0xFFFFFFFF
-    for lane in range(32):
+    for lane, p in enumerate(nibble_pairs(word)):
         g, t = lane // 4, lane % 4
-        p = [((w[lane] >> (4 * i)) & 0xF, (w[lane] >> (16 + 4 * i)) & 0xF) for i in range(4)]   # lop3 of q >> 4i
         regs = [p[0], p[2], p[1], p[3]]                                      # a0a1, a2a3, a4a5, a6a7
         for r, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
             a[row, col], a[row, col + 1] = regs[r]

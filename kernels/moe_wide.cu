@@ -194,45 +194,36 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
         } else stage_mma<W13, 1>(acc, slot, warp, lane);
         if (st != NST - 1) continue;
 
-        // ---- the item's epilogue
-        if constexpr (W13) {
-            const int col0 = (c * NB / 2 + warp / 2) * 64 + 32 * (warp % 2) + 2 * t;
+        // ---- the item's epilogue: w13 writes SiLU(gate) * up, w2 each row times its top-k weight
 #pragma unroll
-            for (int m = 0; m < MT; m++)
+        for (int m = 0; m < MT; m++)
 #pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    const int r = 16 * m + g + 8 * hf;
-                    if (r < rows) {
-                        unsigned short* dst = out + (long)(blk * CH + r) * I + col0;
+            for (int hf = 0; hf < 2; hf++) {
+                const int r = 16 * m + g + 8 * hf;
+                if (r >= rows) continue;
+                if constexpr (W13) {
+                    unsigned short* dst = out + (long)(blk * CH + r) * I + (c * NB / 2 + warp / 2) * 64 + 32 * (warp % 2) + 2 * t;
 #pragma unroll
-                        for (int tt = 0; tt < 2; tt++)
+                    for (int tt = 0; tt < 2; tt++)
 #pragma unroll
-                            for (int n = 0; n < 2; n++) {
-                                const float* gt = acc[m][tt][n];
-                                const float* up = acc[m][2 + tt][n];
-                                *(unsigned*)(dst + 16 * tt + 8 * n) =
-                                    bf16x2(silu_mul(gt[2 * hf], up[2 * hf]), silu_mul(gt[2 * hf + 1], up[2 * hf + 1]));
-                            }
-                    }
+                        for (int n = 0; n < 2; n++) {
+                            const float* gt = acc[m][tt][n];
+                            const float* up = acc[m][2 + tt][n];
+                            *(unsigned*)(dst + 16 * tt + 8 * n) =
+                                bf16x2(silu_mul(gt[2 * hf], up[2 * hf]), silu_mul(gt[2 * hf + 1], up[2 * hf + 1]));
+                        }
+                } else {
+                    const int asg = sorted[blk * CH + r];
+                    const float wt = topk_w[asg];
+                    unsigned short* dst = ypart + (long)asg * H + (c * NB + warp) * 64 + 2 * t;
+#pragma unroll
+                    for (int f = 0; f < 4; f++)
+#pragma unroll
+                        for (int n = 0; n < 2; n++)
+                            *(unsigned*)(dst + 16 * f + 8 * n) = bf16x2(acc[m][f][n][2 * hf] * wt, acc[m][f][n][2 * hf + 1] * wt);
                 }
-        } else {
-            const int col0 = (c * NB + warp) * 64 + 2 * t;
-#pragma unroll
-            for (int m = 0; m < MT; m++)
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    const int r = 16 * m + g + 8 * hf;
-                    if (r < rows) {
-                        const int asg = sorted[blk * CH + r];
-                        const float wt = topk_w[asg];
-                        unsigned short* dst = ypart + (long)asg * H + col0;
-#pragma unroll
-                        for (int f = 0; f < 4; f++)
-#pragma unroll
-                            for (int n = 0; n < 2; n++)
-                                *(unsigned*)(dst + 16 * f + 8 * n) = bf16x2(acc[m][f][n][2 * hf] * wt, acc[m][f][n][2 * hf + 1] * wt);
-                    }
-                }
+            }
+        if constexpr (!W13) {                               // w2: the sum over the k slots
             if (tid == 0) n_last = 0;
             __threadfence();
             __syncthreads();

@@ -81,13 +81,13 @@ def main() -> None:
                     return mt.fused_moe_triton(xs[r], *routes[r], w, cfg)
             elif kind == "wide":
                 tl = mw.resolve_tiles(t, K, w, spec)
-                tiles = "mt{mt}s{stages}w{warps}".format(**tl)
+                tiles = mw.tile_name(tl)
 
                 def fn(r, tl=tl):
                     return mw.fused_moe_wide(xs[r], *routes[r], w, tl)
             else:
                 tl = mm.resolve_tiles(t, K, w, dev, spec)
-                tiles = "ng{ng}s{stages}w{warps}k{splits}b{w2b}".format(**tl)
+                tiles = mm.tile_name(tl)
 
                 def fn(r, tl=tl):
                     return mm.fused_moe_marlin(xs[r], *routes[r], w, tl)
