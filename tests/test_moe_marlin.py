@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ddbench.kernels import marlin, moe_marlin as mm
-from ddbench.kernels.moe import ROUTINGS, fused_moe_ref, random_marlin_moe, random_router, resolve_moe_kernel, route, \
-    synthetic_routing
+from ddbench.kernels.moe import ROUTINGS, fused_moe_ref, random_marlin_moe, resolve_moe_kernel, synthetic_routing
+from moe_cases import k26, moe_case as _case  # noqa: F401 (k26: the GPU tests' fixture)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -64,27 +64,6 @@ def test_resolve_on_cpu_never_marlin():
 
 
 # ---------------------------------------------------------------- GPU
-
-K26 = dict(n_experts=384, hidden=7168, inter=256, group_size=32)
-
-
-@pytest.fixture(scope="module")
-def k26():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("needs an sm_90 GPU")
-    return random_marlin_moe(**K26, top_k=8, device=torch.device("cuda"), seed=5)
-
-
-def _case(routing, tokens, w, seed=0):
-    dev = torch.device("cuda")
-    x = torch.randn(tokens, w.hidden, device=dev, generator=torch.Generator(dev).manual_seed(seed)).bfloat16()
-    if routing == "router":
-        gw, bias = random_router(w.hidden, w.n_experts, device=dev, seed=seed)
-        ids, tw = route(x, gw, bias, 8, 2.5)
-    else:
-        ids, tw = synthetic_routing(routing, tokens, w.n_experts, 8, device=dev, seed=seed)
-    return x, ids, tw
-
 
 @pytest.mark.gpu
 def test_plan_matches_ref(k26):

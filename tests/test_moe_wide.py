@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from ddbench.kernels import marlin, moe_wide as mw
-from ddbench.kernels.moe import ROUTINGS, fused_moe_ref, random_marlin_moe, resolve_moe_kernel, synthetic_routing
+from ddbench.kernels.moe import ROUTINGS, fused_moe_ref, random_marlin_moe, resolve_moe_kernel
+from moe_cases import k26, moe_case as _case  # noqa: F401 (k26: the GPU tests' fixture)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -25,11 +26,11 @@ def test_tiles_and_shapes():
     assert mw.tiles_for(1024, 8, 384)["mt"] == 2          # 21.3
     assert mw.tiles_for(4096, 8, 384) == {"mt": 4, "stages": 4, "warps": mw.WARPS}
     assert mw.shared_bytes({"mt": 4, "stages": 4, "warps": 8}) == 4 * (256 + 576) * 16
-    k26 = random_marlin_moe(4, 7168, 256, 32, top_k=2, chunk=4)
-    assert mw.shapes_ok(k26)
+    shard = random_marlin_moe(4, 7168, 256, 32, top_k=2, chunk=4)
+    assert mw.shapes_ok(shard)
     assert not mw.shapes_ok(random_marlin_moe(4, 7168, 128, 32, top_k=2, chunk=4))   # I not a multiple of 256
     with pytest.raises(ValueError):
-        mw.resolve_tiles(64, 8, k26, {"mt": 3})
+        mw.resolve_tiles(64, 8, shard, {"mt": 3})
 
 
 def test_resolve_on_cpu_never_wide():
@@ -40,25 +41,6 @@ def test_resolve_on_cpu_never_wide():
 
 
 # ---------------------------------------------------------------- GPU
-
-@pytest.fixture(scope="module")
-def k26():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("needs an sm_90 GPU")
-    return random_marlin_moe(384, 7168, 256, 32, top_k=8, device=torch.device("cuda"), seed=5)
-
-
-def _case(routing, tokens, w, seed):
-    dev = torch.device("cuda")
-    x = torch.randn(tokens, w.hidden, device=dev, generator=torch.Generator(dev).manual_seed(seed)).bfloat16()
-    if routing == "router":
-        from ddbench.kernels.moe import random_router, route
-        gw, bias = random_router(w.hidden, w.n_experts, device=dev, seed=seed)
-        ids, tw = route(x, gw, bias, 8, 2.5)
-    else:
-        ids, tw = synthetic_routing(routing, tokens, w.n_experts, 8, device=dev, seed=seed)
-    return x, ids, tw
-
 
 def _err(y, want):
     return ((y.float() - want).norm() / want.norm()).item()
