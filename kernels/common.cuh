@@ -4,12 +4,15 @@
 
 __device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }          // bf16 pair -> fp32
 __device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ unsigned short to_bf16(float f) {   // round to nearest even (finite f)
-    const unsigned u = __float_as_uint(f);
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+__device__ __forceinline__ unsigned short to_bf16(float f) {   // round to nearest even
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
 }
-__device__ __forceinline__ unsigned bf16x2(float lo, float hi) {   // fp32 pair -> bf16 pair (as to_bf16)
-    return to_bf16(lo) | (unsigned)to_bf16(hi) << 16;
+__device__ __forceinline__ unsigned bf16x2(float lo, float hi) {   // fp32 pair -> bf16 pair, one instruction
+    unsigned p;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(hi), "f"(lo));
+    return p;
 }
 __device__ __forceinline__ unsigned short to_f16(float f) {   // round to nearest even
     unsigned short h;
@@ -55,6 +58,16 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {   // generic -> s
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {   // 16 bytes global -> shared, L2 only
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
 }
+__device__ __forceinline__ void cp16z(unsigned dst, const void* src, bool valid) {   // zeros when !valid
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void ldsm4(unsigned a[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+}
+// byte offset of 16-byte chunk c (0-3) of row r in a tile of 64-byte rows (a stage's 32 bf16 of
+// K a token in moe_marlin and moe_wide): chunk c ^ ((r / 2) % 4), so ldmatrix meets no bank conflict
+__device__ __forceinline__ int xoff(int r, int c) { return r * 64 + 16 * (c ^ ((r >> 1) & 3)); }
 __device__ __forceinline__ unsigned long long evict_first() {   // L2 policy: weights read once
     unsigned long long p;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));

@@ -9,8 +9,10 @@
 // Work items: w13 (block, gate/up block pair p, K split s), w2 (block, W2B consecutive
 // 64-column Marlin blocks p). Every warp of the grid takes items i = warp, warp + warps, ... (a
 // persistent loop over a count read from memory) and streams its weights through a private
-// ring of STAGES stages in shared memory (cp.async, evict-first): each lane copies and reads
-// back only its own 16-byte words, scales and activation pairs, so the ring needs no barrier.
+// ring of STAGES stages in shared memory (cp.async, evict-first). A stage holds each lane's
+// own 16-byte words, the item's scales (one copy: lane 8j + g' copies block j's vector g') and
+// the B rows (lane 4g + t copies 16-byte chunk t of token g's 32 K values, swizzled; ldmatrix
+// reads them back as B fragments), so one __syncwarp a stage orders the lanes' copies and reads.
 //
 // Marlin word [kt, nb*128 + lane*4 + tile], lane = 4g + t, holds the nibbles (k, n) of the
 // 16x16 tile (16kt, 64nb + 16tile): 0 (2t, g) 1 (2t+8, g) 2 (2t, g+8) 3 (2t+8, g+8)
@@ -36,12 +38,10 @@
 
 #define CH (8 * NG)
 #define THREADS (WARPS * 32)
-#define STAGE_U4(NBLK) (3 * (NBLK) + NG)      // per lane and stage: 2 word + 1 scale vectors a block, NG x pairs
+#define WVEC(NBLK) (64 * (NBLK))                           // 16-byte vectors a stage: words, 2 k-tiles x 32 lanes a block
+#define SVEC(NBLK) (8 * (NBLK))                            // scales, 64 bf16 a block
+#define STAGE_V(NBLK) (WVEC(NBLK) + SVEC(NBLK) + 32 * NG)  // + B rows, 8 tokens x 4 chunks a group
 #define MAXE 1024
-
-__device__ __forceinline__ void cp4z(unsigned dst, const void* src, bool valid) {   // zeros when !valid
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
-}
 
 // nibbles of q as the four bf16x2 A registers (q - 8 each)
 __device__ __forceinline__ void dequant(unsigned q, unsigned a[4]) {
@@ -124,45 +124,45 @@ __device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const unsigned* wl = w + (long)e * (KDIM / 16) * (2 * NDIM) + lane * 4;
-    const unsigned short* sl = s + (long)e * (KDIM / G) * NDIM + g * 8;
+    const bool copies_scale = lane < SVEC(NBLK);           // lane 8j + g' copies block j's scale vector g'
+    const unsigned short* sl = s + (long)e * (KDIM / G) * NDIM + (nb0 + min(lane / 8, NBLK - 1) * nb_step) * 64 + lane % 8 * 8;
+    const unsigned base = smem_addr(ring), xput = xoff(g, t), xget = xoff(lane % 8, lane / 8);
     auto issue = [&](int st) {
-        uint4* slot = ring + (st % STAGES) * STAGE_U4(NBLK) * 32 + lane;
+        const unsigned slot = base + (st % STAGES) * STAGE_V(NBLK) * 16;
         if (st < st1) {
             const int kt = 2 * st;
 #pragma unroll
             for (int j = 0; j < NBLK; j++) {
-                const int nb = nb0 + j * nb_step;
-                cp16_ef(smem_addr(slot + (2 * j) * 32), wl + (long)kt * (2 * NDIM) + nb * 128, pol);
-                cp16_ef(smem_addr(slot + (2 * j + 1) * 32), wl + (long)(kt + 1) * (2 * NDIM) + nb * 128, pol);
-                cp_async16(smem_addr(slot + (2 * NBLK + j) * 32), sl + (long)(kt * 16 / G) * NDIM + nb * 64);
+                const unsigned* src = wl + (long)kt * (2 * NDIM) + (nb0 + j * nb_step) * 128;
+                cp16_ef(slot + (64 * j + lane) * 16, src, pol);
+                cp16_ef(slot + (64 * j + 32 + lane) * 16, src + 2 * NDIM, pol);
             }
+            if (copies_scale) cp_async16(slot + (WVEC(NBLK) + lane) * 16, sl + (long)(kt * 16 / G) * NDIM);
 #pragma unroll
-            for (int ng = 0; ng < NV; ng++) {
-                const unsigned dst = smem_addr(slot + (3 * NBLK + ng) * 32);
-                const unsigned short* xr = xrow[ng] + 32 * st + 2 * t;
-#pragma unroll
-                for (int i = 0; i < 4; i++) cp4z(dst + 4 * i, xr + 8 * i, xval[ng]);   // k 2t, 2t+8, 2t+16, 2t+24
-            }
+            for (int ng = 0; ng < NV; ng++)
+                cp16z(slot + (WVEC(NBLK) + SVEC(NBLK) + 32 * ng) * 16 + xput, xrow[ng] + 32 * st + 8 * t, xval[ng]);
         }
         cp_commit();
     };
 #pragma unroll
     for (int i = 0; i < STAGES - 1; i++) issue(st0 + i);
     for (int st = st0; st < st1; st++) {
-        issue(st + STAGES - 1);
-        cp_wait<STAGES - 1>();
-        const uint4* slot = ring + (st % STAGES) * STAGE_U4(NBLK) * 32 + lane;
-        uint4 xv[NV];
+        cp_wait<STAGES - 2>();                              // this lane's copies of stage st have landed,
+        __syncwarp();                                       // the other lanes' too, and all read stage st - 1
+        issue(st + STAGES - 1);                             // into stage st - 1's slot
+        const unsigned slot = base + (st % STAGES) * STAGE_V(NBLK) * 16;
+        const uint4* vec = ring + (st % STAGES) * STAGE_V(NBLK);
+        unsigned xv[NV][4];                                 // token g's k pairs 2t, 2t+8, 2t+16, 2t+24
         float c0[NV][4];                                    // zero: each group's product starts here
 #pragma unroll
         for (int ng = 0; ng < NV; ng++) {
-            xv[ng] = slot[(3 * NBLK + ng) * 32];
+            ldsm4(xv[ng], slot + (WVEC(NBLK) + SVEC(NBLK) + 32 * ng) * 16 + xget);
 #pragma unroll
             for (int i = 0; i < 4; i++) c0[ng][i] = 0.f;
         }
 #pragma unroll
         for (int j = 0; j < NBLK; j++) {
-            const uint4 w0 = slot[(2 * j) * 32], w1 = slot[(2 * j + 1) * 32], sc = slot[(2 * NBLK + j) * 32];
+            const uint4 w0 = vec[64 * j + lane], w1 = vec[64 * j + 32 + lane], sc = vec[WVEC(NBLK) + 8 * j + g];
             const unsigned wq0[4] = {w0.x, w0.y, w0.z, w0.w}, wq1[4] = {w1.x, w1.y, w1.z, w1.w};
             const unsigned sq[4] = {sc.x, sc.y, sc.z, sc.w};
 #pragma unroll
@@ -174,8 +174,8 @@ __device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring
 #pragma unroll
                 for (int ng = 0; ng < NV; ng++) {
                     float c[4];
-                    mma(c, a0, xv[ng].x, xv[ng].y, c0[ng]);
-                    mma(c, a1, xv[ng].z, xv[ng].w, c);
+                    mma(c, a0, xv[ng][0], xv[ng][1], c0[ng]);
+                    mma(c, a1, xv[ng][2], xv[ng][3], c);
                     float* d = acc[j][tile][ng];
                     d[0] = fmaf(c[0], slo, d[0]);
                     d[1] = fmaf(c[1], slo, d[1]);
@@ -186,6 +186,7 @@ __device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring
         }
     }
     cp_wait<0>();
+    __syncwarp();                                           // every lane done with the ring before the next item's copies
 }
 
 // stream over the item's ngv valid groups (warp-uniform): one instantiation per count up to 3, NG above
@@ -227,7 +228,7 @@ moe_w13(const unsigned short* x,                                  // bf16 [T, H]
 {
     extern __shared__ uint4 smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    uint4* ring = smem + warp * STAGES * STAGE_U4(2) * 32;
+    uint4* ring = smem + warp * STAGES * STAGE_V(2);
     const unsigned long long pol = evict_first();
     constexpr int P = I / 64, NST = H / 32;
     pdl_enter(pdl);
@@ -310,7 +311,7 @@ moe_w2(const unsigned short* act,                                 // bf16 [rows_
 {
     extern __shared__ uint4 smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    uint4* ring = smem + warp * STAGES * STAGE_U4(W2B) * 32;
+    uint4* ring = smem + warp * STAGES * STAGE_V(W2B);
     const unsigned long long pol = evict_first();
     constexpr int P = H / (64 * W2B), NST = I / 32;
     pdl_enter(pdl);

@@ -27,7 +27,7 @@ import torch
 from ddbench.kernels import pdl
 
 MAXE = 1024            # experts the planning program takes (one thread each)
-STAGE_BYTES = 512      # per 16-byte vector a lane holds in a stage: 32 lanes x 16 bytes
+VECTOR = 16            # bytes of one cp.async copy; a stage is counted in these
 MAX_SPLITS = 32
 # (max tokens per expert T*k/E, NG 8-token groups an item, STAGES, WARPS a program, W2B w2's
 # 64-column Marlin blocks an item); first match.
@@ -69,10 +69,10 @@ def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None
 
 
 def shared_bytes(tiles: dict, kernel: str = "moe_w13") -> int:
-    """A program's ring: warps x stages x (2 word + 1 scale vectors a Marlin block (w13: 2, w2:
-    w2b) + NG activation vectors) x 512 bytes."""
+    """A program's ring: warps x stages x (72 vectors a Marlin block (w13: 2, w2: w2b): 2 k-tiles
+    of 32 lanes' words + 8 of scales; + 32 a group of 8 tokens) x 16 bytes."""
     blocks = 2 if kernel == "moe_w13" else tiles["w2b"]
-    return tiles["warps"] * tiles["stages"] * (3 * blocks + tiles["ng"]) * STAGE_BYTES
+    return tiles["warps"] * tiles["stages"] * (72 * blocks + 32 * tiles["ng"]) * VECTOR
 
 
 def max_blocks(assignments: int, n_experts: int, ch: int) -> int:

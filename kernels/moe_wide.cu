@@ -37,13 +37,6 @@
 static_assert(XV <= THREADS && SV <= THREADS && WV % THREADS == 0 && THREADS % 64 == 0, "one x and one scale vector a thread at most");
 static_assert(MT == 1 || MT == 2 || MT == 4, "MT is 1, 2 or 4");
 
-__device__ __forceinline__ void cp16z(unsigned dst, const void* src, bool valid) {   // zeros when !valid
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void ldsm4(unsigned a[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
-}
 __device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                  "{%0, %1, %2, %3};"
@@ -61,8 +54,6 @@ __device__ __forceinline__ void dequant_b(unsigned q, unsigned sc, unsigned b[4]
         asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(b[i]) : "r"(b[i]), "r"(i < 2 ? slo : shi), "r"(0x80008000u));
     }
 }
-// byte offset in a stage's x rows of 16-byte chunk c (0-3) of row r: chunk c ^ ((r / 2) % 4)
-__device__ __forceinline__ int xoff(int r, int c) { return r * 64 + 16 * (c ^ ((r >> 1) & 3)); }
 
 __device__ __forceinline__ void zero(float (&acc)[MT][4][2][4]) {
 #pragma unroll
