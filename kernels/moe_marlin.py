@@ -34,10 +34,13 @@ MAX_SPLITS = 32
 # H200, K2.6 TP-8 shard, uniform, CUDA graphs (scripts/gpu/moe_marlin_check.py, whole layer, us,
 # NG 1/2/4): T=64 338/374/658, T=128 436/429/780, T=512 755/670/959, T=2048 2372/1829/1988,
 # T=4096 4468/3367/3379; w2b 1/2/4 at NG 1: T=2 32.4/33.8/37.2, T=8 69.4/71.8/75.6, T=64
-# 340.5/335.2/351.9 (moe_marlin_check_w2_blocks.csv)
+# 340.5/335.2/351.9 (moe_marlin_check_w2_blocks.csv). Stages 4/5 at NG 2 (H100, after the
+# ldmatrix stage layout): T=16 144.2/141.8, T=64 362.8/364.0, T=128 460.8/431.8, T=256
+# 521.3/494.7, T=512 615.3/644.5.
 TILES: list[tuple[float, int, int, int, int]] = [
     (0.17, 1, 4, 4, 1),
     (2.0, 1, 4, 4, 2),
+    (8.0, 2, 5, 4, 2),
     (float("inf"), 2, 4, 4, 2),
 ]
 
