@@ -24,7 +24,6 @@ import torch
 from ddbench.kernels import moe_marlin, pdl
 
 WARPS = 8
-STAGE_BYTES = 16
 # (max tokens per expert T*k/E, MT 16-row tiles a block, STAGES); first match
 TILES: list[tuple[float, int, int]] = [
     (16.0, 1, 4),
@@ -60,7 +59,7 @@ def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None
 
 def shared_bytes(tiles: dict) -> int:
     """The ring: stages x (x rows 16*MT x 64 bytes + words 64 vectors a warp + scales 8 a warp) x 16 bytes."""
-    return tiles["stages"] * (64 * tiles["mt"] + 72 * tiles["warps"]) * STAGE_BYTES
+    return tiles["stages"] * (64 * tiles["mt"] + 72 * tiles["warps"]) * moe_marlin.VECTOR
 
 
 def emulate_b_fragments(word: torch.Tensor) -> torch.Tensor:
