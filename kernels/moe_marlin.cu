@@ -40,7 +40,8 @@
 #define THREADS (WARPS * 32)
 #define WVEC(NBLK) (64 * (NBLK))                           // 16-byte vectors a stage: words, 2 k-tiles x 32 lanes a block
 #define SVEC(NBLK) (8 * (NBLK))                            // scales, 64 bf16 a block
-#define STAGE_V(NBLK) (WVEC(NBLK) + SVEC(NBLK) + 32 * NG)  // + B rows, 8 tokens x 4 chunks a group
+#define XVEC(NBLK, ng) (WVEC(NBLK) + SVEC(NBLK) + 32 * (ng))  // B rows of 8-token group ng, 8 tokens x 4 chunks
+#define STAGE_V(NBLK) XVEC(NBLK, NG)
 #define MAXE 1024
 
 // nibbles of q as the four bf16x2 A registers (q - 8 each)
@@ -140,7 +141,7 @@ __device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring
             if (copies_scale) cp_async16(slot + (WVEC(NBLK) + lane) * 16, sl + (long)(kt * 16 / G) * NDIM);
 #pragma unroll
             for (int ng = 0; ng < NV; ng++)
-                cp16z(slot + (WVEC(NBLK) + SVEC(NBLK) + 32 * ng) * 16 + xput, xrow[ng] + 32 * st + 8 * t, xval[ng]);
+                cp16z(slot + XVEC(NBLK, ng) * 16 + xput, xrow[ng] + 32 * st + 8 * t, xval[ng]);
         }
         cp_commit();
     };
@@ -156,7 +157,7 @@ __device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring
         float c0[NV][4];                                    // zero: each group's product starts here
 #pragma unroll
         for (int ng = 0; ng < NV; ng++) {
-            ldsm4(xv[ng], slot + (WVEC(NBLK) + SVEC(NBLK) + 32 * ng) * 16 + xget);
+            ldsm4(xv[ng], slot + XVEC(NBLK, ng) * 16 + xget);
 #pragma unroll
             for (int i = 0; i < 4; i++) c0[ng][i] = 0.f;
         }
