@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call for a change to the MoE kernels: their GPU tests, then (only if they pass)
-# STEPS of: probe (experiments/scripts/moe_decode_probe.py), sweep (moe-sweep TP-8 and TP-1,
-# the default rule), e2e (K2.6 TP-8 rank 0, uniform routing, GSM8K paper profile, c = 1 and 10,
-# budgets 8 and 16, of the tree in .snap, the commit before, and of this tree). Files land flat
-# in $OUT (<gpu>_<stamp>_<TAG>_<what>.csv) with $OUT/log.txt.
+# STEPS of: probe (experiments/scripts/moe_decode_probe.py), check (scripts/gpu/moe_marlin_check.py
+# at tokens CHECK_T with variants CHECK_V), sweep (moe-sweep TP-8 of .snap then TP-8 and TP-1 of
+# this tree, the default rule), e2e (K2.6 TP-8 rank 0, uniform routing, GSM8K paper profile,
+# c = 1 and 10, budgets 8 and 16, of the tree in .snap, the commit before, and of this tree).
+# Files land flat in $OUT (<gpu>_<stamp>_<TAG>_<what>.csv) with $OUT/log.txt.
 #   rm -rf .snap && mkdir .snap && git archive HEAD~N | tar x -C .snap
 #   TAG=wide STEPS="sweep e2e" bash experiments/scripts/moe_change_run.sh
 cd "$(dirname "$0")/../.." || exit 1
@@ -19,8 +20,13 @@ timeout 240 python3 -m pytest -q -m gpu ${TESTS:-tests/test_moe_decode.py tests/
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "GPU tests failed: no benchmarks"; exit 1; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 has probe && timeout 120 python3 -m experiments.scripts.moe_decode_probe "$OUT/${GPU}_${S}_probe.csv" 2>&1 | tail -7
+if has check; then
+  timeout 240 python3 scripts/gpu/moe_marlin_check.py "$OUT/check" "${CHECK_T:-512,1024,2048,4096}" "${CHECK_V:-m2,w4}" 2>&1 | tail -8
+  mv "$OUT/check/moe_marlin_check.csv" "$OUT/${GPU}_${S}_check.csv" 2>/dev/null; rmdir "$OUT/check" 2>/dev/null
+fi
 SW="moe-sweep --preset k2.6 --backends triton --routing uniform --out $OUT"
 if has sweep; then
+  (cd .snap && timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8_before" 2>&1 | grep -E "^triton .* y " | head -14)
   timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8" 2>&1 | grep -E "^triton .* y " | head -14
   timeout -s INT 90 python3 -m ddbench $SW --tp 1 --name "${GPU}_${S}_tp1" 2>&1 | grep -E "^triton .* y " | head -14
 fi
