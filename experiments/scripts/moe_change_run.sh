@@ -1,37 +1,41 @@
 #!/usr/bin/env bash
-# One device call for a change to the MoE kernels: their GPU tests, then (only if they pass)
-# STEPS of: probe (experiments/scripts/moe_decode_probe.py), check (scripts/gpu/moe_marlin_check.py
-# at tokens CHECK_T with variants CHECK_V), sweep (moe-sweep TP-8 of .snap then TP-8 and TP-1 of
-# this tree, the default rule), e2e (K2.6 TP-8 rank 0, uniform routing, GSM8K paper profile,
-# c = 1 and 10, budgets 8 and 16, of the tree in .snap, the commit before, and of this tree).
+# One device call for a change to the MoE kernels: their GPU tests (TESTS), then, only if they
+# pass, STEPS in the order given, of:
+#   probe        experiments/scripts/moe_decode_probe.py
+#   check        scripts/gpu/moe_marlin_check.py at tokens CHECK_T with variants CHECK_V
+#   sweep        moe-sweep TP-8 of this tree (the default rule)
+#   sweep_before the same of the tree in .snap (the commit before)
+#   tp1          moe-sweep TP-1 of this tree
+#   e2e          K2.6 TP-8 rank 0, uniform routing, GSM8K paper profile, c = 1 and 10, budgets 8
+#                and 16, of this tree
+#   e2e_before   the same of the tree in .snap
 # Files land flat in $OUT (<gpu>_<stamp>_<TAG>_<what>.csv) with $OUT/log.txt.
 #   rm -rf .snap && mkdir .snap && git archive HEAD~N | tar x -C .snap
-#   TAG=wide STEPS="sweep e2e" bash experiments/scripts/moe_change_run.sh
+#   TAG=wide STEPS="sweep e2e sweep_before e2e_before" bash experiments/scripts/moe_change_run.sh
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONUNBUFFERED=1
 . scripts/gpu/lib.sh
 GPU=${RES#results/}
 S=$(date -u +%Y%m%d-%H%M%S)_${TAG:-change}
-STEPS=${STEPS:-sweep e2e}
 exec > >(tee "$OUT/log.txt") 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 240 python3 -m pytest -q -m gpu ${TESTS:-tests/test_moe_decode.py tests/test_moe_marlin.py tests/test_moe_wide.py} 2>&1 \
   | grep -E "passed|failed|^E " | head -12
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "GPU tests failed: no benchmarks"; exit 1; }
-has() { [[ " $STEPS " == *" $1 "* ]]; }
-has probe && timeout 120 python3 -m experiments.scripts.moe_decode_probe "$OUT/${GPU}_${S}_probe.csv" 2>&1 | tail -7
-if has check; then
-  timeout 240 python3 scripts/gpu/moe_marlin_check.py "$OUT/check" "${CHECK_T:-512,1024,2048,4096}" "${CHECK_V:-m2,w4}" 2>&1 | tail -8
-  mv "$OUT/check/moe_marlin_check.csv" "$OUT/${GPU}_${S}_check.csv" 2>/dev/null; rmdir "$OUT/check" 2>/dev/null
-fi
 SW="moe-sweep --preset k2.6 --backends triton --routing uniform --out $OUT"
-if has sweep; then
-  (cd .snap && timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8_before" 2>&1 | grep -E "^triton .* y " | head -14)
-  timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8" 2>&1 | grep -E "^triton .* y " | head -14
-  timeout -s INT 90 python3 -m ddbench $SW --tp 1 --name "${GPU}_${S}_tp1" 2>&1 | grep -E "^triton .* y " | head -14
-fi
 E2E="e2e --preset k2.6 --tp 8 --simulate-rank 0 --prompt-len 128 --new-tokens 64 --routing uniform --concurrency 1,10 --budget 8,16 --acceptance rank:dflash-k25-gsm8k-paper --out $OUT"
-if has e2e; then
-  (cd .snap && timeout -s INT 150 python3 -m ddbench $E2E --name "${GPU}_${S}_e2e_before" 2>&1 | tail -2)
-  timeout -s INT 150 python3 -m ddbench $E2E --name "${GPU}_${S}_e2e" 2>&1 | tail -2
-fi
+rows() { grep -E "^triton .* y " | head -14; }
+for step in ${STEPS:-sweep e2e sweep_before e2e_before}; do
+  echo "== $step"
+  case $step in
+    probe) timeout 120 python3 -m experiments.scripts.moe_decode_probe "$OUT/${GPU}_${S}_probe.csv" 2>&1 | tail -7 ;;
+    check) timeout 240 python3 scripts/gpu/moe_marlin_check.py "$OUT/check" "${CHECK_T:-512,1024,2048,4096}" "${CHECK_V:-m2,w4}" 2>&1 | tail -8
+           mv "$OUT/check/moe_marlin_check.csv" "$OUT/${GPU}_${S}_check.csv" 2>/dev/null; rmdir "$OUT/check" 2>/dev/null ;;
+    sweep) timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8" 2>&1 | rows ;;
+    sweep_before) (cd .snap && timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8_before" 2>&1 | rows) ;;
+    tp1) timeout -s INT 90 python3 -m ddbench $SW --tp 1 --name "${GPU}_${S}_tp1" 2>&1 | rows ;;
+    e2e) timeout -s INT 150 python3 -m ddbench $E2E --name "${GPU}_${S}_e2e" 2>&1 | tail -2 ;;
+    e2e_before) (cd .snap && timeout -s INT 150 python3 -m ddbench $E2E --name "${GPU}_${S}_e2e_before" 2>&1 | tail -2) ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
