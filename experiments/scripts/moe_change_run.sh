@@ -9,7 +9,8 @@
 #   e2e          K2.6 TP-8 rank 0, uniform routing, GSM8K paper profile, c = 1 and 10, budgets 8
 #                and 16, of this tree
 #   e2e_before   the same of the tree in .snap
-# Files land flat in $OUT (<gpu>_<stamp>_<TAG>_<what>.csv) with $OUT/log.txt.
+# Files (<gpu>_<stamp>_<TAG>_<what>.csv / .json) land in $OUT/runs.tgz, packed again after each
+# step (a device call returns at most 8 files), beside $OUT/log.txt.
 #   rm -rf .snap && mkdir .snap && git archive HEAD~N | tar x -C .snap
 #   TAG=wide STEPS="sweep e2e sweep_before e2e_before" bash experiments/scripts/moe_change_run.sh
 cd "$(dirname "$0")/../.." || exit 1
@@ -18,19 +19,20 @@ export PYTHONUNBUFFERED=1
 GPU=${RES#results/}
 S=$(date -u +%Y%m%d-%H%M%S)_${TAG:-change}
 exec > >(tee "$OUT/log.txt") 2>&1
+RUNS=$(mktemp -d)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 240 python3 -m pytest -q -m gpu ${TESTS:-tests/test_moe_decode.py tests/test_moe_marlin.py tests/test_moe_wide.py} 2>&1 \
   | grep -E "passed|failed|^E " | head -12
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "GPU tests failed: no benchmarks"; exit 1; }
-SW="moe-sweep --preset k2.6 --backends triton --routing uniform --out $OUT"
-E2E="e2e --preset k2.6 --tp 8 --simulate-rank 0 --prompt-len 128 --new-tokens 64 --routing uniform --concurrency 1,10 --budget 8,16 --acceptance rank:dflash-k25-gsm8k-paper --out $OUT"
+SW="moe-sweep --preset k2.6 --backends triton --routing uniform --out $RUNS"
+E2E="e2e --preset k2.6 --tp 8 --simulate-rank 0 --prompt-len 128 --new-tokens 64 --routing uniform --concurrency 1,10 --budget 8,16 --acceptance rank:dflash-k25-gsm8k-paper --out $RUNS"
 rows() { grep -E "^triton .* y " | head -14; }
 for step in ${STEPS:-sweep e2e sweep_before e2e_before}; do
   echo "== $step"
   case $step in
-    probe) timeout 120 python3 -m experiments.scripts.moe_decode_probe "$OUT/${GPU}_${S}_probe.csv" 2>&1 | tail -7 ;;
-    check) timeout 240 python3 scripts/gpu/moe_marlin_check.py "$OUT/check" "${CHECK_T:-512,1024,2048,4096}" "${CHECK_V:-m2,w4}" 2>&1 | tail -8
-           mv "$OUT/check/moe_marlin_check.csv" "$OUT/${GPU}_${S}_check.csv" 2>/dev/null; rmdir "$OUT/check" 2>/dev/null ;;
+    probe) timeout 120 python3 -m experiments.scripts.moe_decode_probe "$RUNS/${GPU}_${S}_probe.csv" 2>&1 | tail -7 ;;
+    check) timeout 240 python3 scripts/gpu/moe_marlin_check.py "$RUNS/check" "${CHECK_T:-512,1024,2048,4096}" "${CHECK_V:-m2,w4}" 2>&1 | tail -8
+           mv "$RUNS/check/moe_marlin_check.csv" "$RUNS/${GPU}_${S}_check.csv" 2>/dev/null; rmdir "$RUNS/check" 2>/dev/null ;;
     sweep) timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8" 2>&1 | rows ;;
     sweep_before) (cd .snap && timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8_before" 2>&1 | rows) ;;
     tp1) timeout -s INT 90 python3 -m ddbench $SW --tp 1 --name "${GPU}_${S}_tp1" 2>&1 | rows ;;
@@ -38,4 +40,5 @@ for step in ${STEPS:-sweep e2e sweep_before e2e_before}; do
     e2e_before) (cd .snap && timeout -s INT 150 python3 -m ddbench $E2E --name "${GPU}_${S}_e2e_before" 2>&1 | tail -2) ;;
     *) echo "unknown step $step" ;;
   esac
+  tar czf "$OUT/runs.tgz" -C "$RUNS" .
 done
