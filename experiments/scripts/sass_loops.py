@@ -13,6 +13,9 @@ usage: python3 -m experiments.scripts.sass_loops [CSV] [NAME=VALUE ...]
   the issue bound of moe_w13 / moe_w2 at each T of the sweep (uniform routing planned on the CPU,
   the tiles `kernels.moe_marlin.tiles_for` picks, each block's stage loop by its valid 8-token
   groups): instructions / (SMs x 4 schedulers x 1 a cycle x clock), beside the sweep's times
+       python3 -m experiments.scripts.sass_loops --wide [SWEEP_CSV]
+  the same for moe_wide at T = 1024-4096 as lower bounds (only the straight-line products of a full
+  stage, the branch with the most HMMA, counted), and its HMMA at the bf16 GEMM rate
 """
 from __future__ import annotations
 
@@ -124,18 +127,71 @@ def bound(tokens: list[int], seed: int = 0) -> list[dict]:
     return rows
 
 
+def mma_blocks(ins: list[tuple[int, str, str]], lp: dict) -> list[tuple[int, int]]:
+    """(instructions, HMMA) of each straight-line block of loop `lp` (split at branches and their
+    targets) that holds an HMMA: e.g. one instantiation of a kernel's stage products each."""
+    body = [i for i in ins if lp["start"] <= i[0] <= lp["end"]]
+    targets = {int(m[1], 16) for _, op, args in body if op.startswith("BRA") for m in [re.search(r"0x([0-9a-f]+)", args)] if m}
+    blocks, cur = [], []
+    for addr, op, _ in body:
+        if addr in targets and cur:
+            blocks.append(cur)
+            cur = []
+        cur.append(op)
+        if op.startswith(("BRA", "EXIT")):
+            blocks.append(cur)
+            cur = []
+    blocks.append(cur)
+    return [(len(b), sum(op.startswith("HMMA") for op in b)) for b in blocks if any(op.startswith("HMMA") for op in b)]
+
+
+def wide_bound(tokens: list[int], gemm_tflops: float = 805.0, seed: int = 0) -> list[dict]:
+    """moe_wide's w13 / w2 at each T: warp-stages run (uniform routing planned on the CPU, the
+    tiles `kernels.moe_wide.tiles_for` picks), the instructions and HMMA of a full stage's products,
+    and the times they bound: issue (products only, so a lower bound) and HMMA (m16n8k16, 4096
+    FLOP each, at `gemm_tflops`)."""
+    import torch
+
+    from ddbench.kernels import moe_marlin as mm
+    from ddbench.kernels import moe_wide as mw
+
+    gen, rows = torch.Generator().manual_seed(seed), []
+    per_us = SMS * SCHEDULERS * CLOCK_MHZ
+    for t in tokens:
+        tiles = mw.tiles_for(t, TOPK, E)
+        mt, warps = tiles["mt"], tiles["warps"]
+        funcs = parse(sass("moe_wide.cu", {"MT": mt, "STAGES": tiles["stages"], "WARPS": warps, "G": 32, "H": H,
+                                           "I": I, "TOPK": TOPK}))
+        ids = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(t)])
+        n_blocks = int(mm.plan_ref(ids, E, 16 * mt)[3])
+        for name, chunks, stages in (("wide_w13", I // (32 * warps), H // 32), ("wide_w2", H // (64 * warps), I // 32)):
+            lp = next(lp for lp in mma_loops(funcs[name]) if lp["inner"])
+            instr, hmma = max(mma_blocks(funcs[name], lp), key=lambda b: b[1])
+            warp_stages = n_blocks * chunks * stages * warps
+            rows.append({"tokens": t, "kernel": name, "mt": mt, "items": n_blocks * chunks, "warp_stages": warp_stages,
+                         "stage_products_instr": instr, "stage_hmma": hmma,
+                         "issue_bound_us": round(warp_stages * instr / per_us, 1),
+                         "hmma_bound_us": round(warp_stages * hmma * 4096 / (gemm_tflops * 1e6), 1)})
+    return rows
+
+
 def main(argv: list[str]) -> None:
-    if argv and argv[0] == "--bound":
+    if argv and argv[0] in ("--bound", "--wide"):
         import pandas as pd
 
         sweep = pd.read_csv(argv[1]) if len(argv) > 1 else None
         tokens = sorted(sweep.tokens.unique()) if sweep is not None else [8, 16, 32, 64, 128, 256, 512, 1024, 4096]
-        rows = bound([int(t) for t in tokens if t > 1])
+        if argv[0] == "--wide":
+            rows = wide_bound([int(t) for t in tokens if t >= 1024])
+        else:
+            rows = bound([int(t) for t in tokens if t > 1])
         if sweep is not None:
             got = sweep[sweep.cuda_graph.astype(str) == "True"].set_index(["tokens", "stage"]).time_us
             for r in rows:
-                r["measured_us"] = got.get((r["tokens"], r["kernel"][4:]))
+                r["measured_us"] = got.get((r["tokens"], r["kernel"].split("_")[1]))
                 r["issue_share"] = round(r["issue_bound_us"] / r["measured_us"], 2) if r["measured_us"] else None
+                if "hmma_bound_us" in r and r["measured_us"]:
+                    r["hmma_share"] = round(r["hmma_bound_us"] / r["measured_us"], 2)
         print(pd.DataFrame(rows).to_string(index=False))
         return
     path = Path(argv[0]) if argv and "=" not in argv[0] else None
