@@ -44,17 +44,23 @@ def parse(sass: str) -> dict[str, list[tuple[int, str, str]]]:
     return out
 
 
+def branch_target(op: str, args: str) -> int | None:
+    """The address a BRA jumps to; None for any other instruction."""
+    m = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+    return int(m[1], 16) if m else None
+
+
 def mma_loops(ins: list[tuple[int, str, str]]) -> list[dict]:
     """Each backward branch whose body holds an HMMA: {start, end, instructions, hmma, ops
     (Counter of base opcodes), inner (True when it holds no other such loop)}, in address order."""
     loops = []
     for addr, op, args in ins:
-        target = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
-        if target and int(target[1], 16) < addr:
-            body = [i for i in ins if int(target[1], 16) <= i[0] <= addr]
+        target = branch_target(op, args)
+        if target is not None and target < addr:
+            body = [i for i in ins if target <= i[0] <= addr]
             ops = collections.Counter(i[1].split(".")[0] for i in body)
             if ops["HMMA"]:
-                loops.append({"start": int(target[1], 16), "end": addr, "instructions": len(body),
+                loops.append({"start": target, "end": addr, "instructions": len(body),
                               "hmma": ops["HMMA"], "ops": ops})
     for lp in loops:
         lp["inner"] = not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"] for o in loops)
@@ -131,7 +137,7 @@ def mma_blocks(ins: list[tuple[int, str, str]], lp: dict) -> list[tuple[int, int
     """(instructions, HMMA) of each straight-line block of loop `lp` (split at branches and their
     targets) that holds an HMMA: e.g. one instantiation of a kernel's stage products each."""
     body = [i for i in ins if lp["start"] <= i[0] <= lp["end"]]
-    targets = {int(m[1], 16) for _, op, args in body if op.startswith("BRA") for m in [re.search(r"0x([0-9a-f]+)", args)] if m}
+    targets = {branch_target(op, args) for _, op, args in body} - {None}
     blocks, cur = [], []
     for addr, op, _ in body:
         if addr in targets and cur:
@@ -160,8 +166,8 @@ def wide_bound(tokens: list[int], gemm_tflops: float = 805.0, seed: int = 0) -> 
     for t in tokens:
         tiles = mw.tiles_for(t, TOPK, E)
         mt, warps = tiles["mt"], tiles["warps"]
-        funcs = parse(sass("moe_wide.cu", {"MT": mt, "STAGES": tiles["stages"], "WARPS": warps, "G": 32, "H": H,
-                                           "I": I, "TOPK": TOPK}))
+        shape = {k: DEFINES[k] for k in ("G", "H", "I", "TOPK")}
+        funcs = parse(sass("moe_wide.cu", {"MT": mt, "STAGES": tiles["stages"], "WARPS": warps, **shape}))
         ids = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(t)])
         n_blocks = int(mm.plan_ref(ids, E, 16 * mt)[3])
         for name, chunks, stages in (("wide_w13", I // (32 * warps), H // 32), ("wide_w2", H // (64 * warps), I // 32)):
@@ -189,9 +195,8 @@ def main(argv: list[str]) -> None:
             got = sweep[sweep.cuda_graph.astype(str) == "True"].set_index(["tokens", "stage"]).time_us
             for r in rows:
                 r["measured_us"] = got.get((r["tokens"], r["kernel"].split("_")[1]))
-                r["issue_share"] = round(r["issue_bound_us"] / r["measured_us"], 2) if r["measured_us"] else None
-                if "hmma_bound_us" in r and r["measured_us"]:
-                    r["hmma_share"] = round(r["hmma_bound_us"] / r["measured_us"], 2)
+                for b in [k for k in r if k.endswith("_bound_us")]:              # issue_share, hmma_share
+                    r[b[:-len("_bound_us")] + "_share"] = round(r[b] / r["measured_us"], 2) if r["measured_us"] else None
         print(pd.DataFrame(rows).to_string(index=False))
         return
     path = Path(argv[0]) if argv and "=" not in argv[0] else None
