@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a change to the MoE kernels: their GPU tests (TESTS), then, only if they
 # pass, STEPS in the order given, of:
-#   probe        experiments/scripts/moe_decode_probe.py
+#   probe        experiments/scripts/moe_decode_probe.py (variants PROBE_V, default all)
 #   check        scripts/gpu/moe_marlin_check.py at tokens CHECK_T with variants CHECK_V
 #   sweep        moe-sweep TP-8 of this tree (the default rule)
 #   sweep_before the same of the tree in .snap (the commit before)
@@ -30,7 +30,7 @@ rows() { grep -E "^triton .* y " | head -14; }
 for step in ${STEPS:-sweep e2e sweep_before e2e_before}; do
   echo "== $step"
   case $step in
-    probe) timeout 120 python3 -m experiments.scripts.moe_decode_probe "$RUNS/${GPU}_${S}_probe.csv" 2>&1 | tail -7 ;;
+    probe) timeout 120 python3 -m experiments.scripts.moe_decode_probe "$RUNS/${GPU}_${S}_probe.csv" $PROBE_V 2>&1 | tail -7 ;;
     check) timeout 240 python3 scripts/gpu/moe_marlin_check.py "$RUNS/check" "${CHECK_T:-512,1024,2048,4096}" "${CHECK_V:-m2,w4}" 2>&1 | tail -8
            mv "$RUNS/check/moe_marlin_check.csv" "$RUNS/${GPU}_${S}_check.csv" 2>/dev/null; rmdir "$RUNS/check" 2>/dev/null ;;
     sweep) timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8" 2>&1 | rows ;;

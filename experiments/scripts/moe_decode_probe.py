@@ -6,8 +6,12 @@ copy of the source, compiled beside it on the device):
   noload     the w13 role's weight words not copied (scales, x, maths and the waits stay)
   w2noload   the w2 role's words not copied
   bare       nomath + noload + w2noload: launch, PDL wait, scales, x, tickets and the wait
+  cluster    a unit's KS splits one cluster: they sum their partials through distributed shared
+             memory, each computes KS-th of the unit's fp16 act row into global memory, so the
+             w2 role reads 4 KB of act rows after its wait instead of every split's fp32 sums
+             (64 KB); run only where every cluster of the grid can be resident at once
 and KS = 2 (K splits a unit; more would need more programs than SMs). CSV to argv[1].
-    python3 -m experiments.scripts.moe_decode_probe OUT.csv
+    python3 -m experiments.scripts.moe_decode_probe OUT.csv [VARIANT,...]
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ddbench.kernels import moe_decode as md
-from ddbench.kernels.cuda import Kernel
+from ddbench.kernels.cuda import Kernel, occupancy
 from ddbench.kernels.moe import random_marlin_moe, synthetic_routing
 
 SRC = Path(md.__file__).with_name("moe_decode.cu")
@@ -32,15 +36,60 @@ PATCHES = {
                   "for (int i = threadIdx.x; i < 0; i += THREADS) {")],
 }
 PATCHES["bare"] = PATCHES["nomath"] + PATCHES["noload"] + PATCHES["w2noload"]
+PATCHES["cluster"] = [
+    ('extern "C" __global__ void __launch_bounds__(THREADS, 1)\ndecode_moe(',
+     """__device__ __forceinline__ float2 cl_ld2(const float* p, int rank) {   // another program's shared memory
+    unsigned a;
+    float2 v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(a) : "memory");
+    return v;
+}
+extern "C" __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(THREADS, 1)
+decode_moe("""),
+    ("""        if (threadIdx.x < 128) part[((long)unit * KS + sp) * 128 + threadIdx.x] = sh.part[threadIdx.x];
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(done, 1);
+    }""",
+     """        asm volatile("barrier.cluster.arrive.release.aligned;\\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+        if (threadIdx.x < 32 / KS) {                               // act columns c, c + 1 of the unit, splits in order
+            const int c = 2 * (sp * (32 / KS) + threadIdx.x);
+            float g0 = 0.f, g1 = 0.f, u0 = 0.f, u1 = 0.f;
+            for (int r = 0; r < KS; r++) {
+                const float2 gv = cl_ld2(&sh.part[c], r), uv = cl_ld2(&sh.part[64 + c], r);
+                g0 += gv.x; g1 += gv.y; u0 += uv.x; u1 += uv.y;
+            }
+            const float wt = topk_w[unit / P13];
+            reinterpret_cast<unsigned*>(part)[unit * 32 + c / 2] =
+                (unsigned)to_f16(silu_mul(g0, u0) * wt) | (unsigned)to_f16(silu_mul(g1, u1) * wt) << 16;
+        }
+        asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");   // done with the others' sh.part
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(done, 1);
+        asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    }"""),
+    ("""    for (int i = threadIdx.x; i < n * I / 4; i += THREADS) {      // 4 act columns a step: sum the splits in order""",
+     """    for (int i = threadIdx.x; i < n * I / 8; i += THREADS)        // the act rows, fp16, 16 bytes a step
+        reinterpret_cast<uint4*>(&sh.acts[0][0])[i] = ld_v4(reinterpret_cast<const uint4*>(part) + i);
+    for (int i = threadIdx.x; i < 0; i += THREADS) {"""),
+]
 
 
-def variant_source(name: str) -> str:
+def patched(name: str) -> str:
+    """The kernel's source with variant `name`'s patches."""
     text = SRC.read_text()
     for old, new in PATCHES.get(name, []):
         assert old in text, old
         text = text.replace(old, new, 1)
+    return text
+
+
+def variant_source(name: str) -> str:
+    """Variant `name` written beside the kernel (kernels/_probe_<name>.cu); its file name."""
     path = SRC.with_name(f"_probe_{name}.cu")
-    path.write_text(text)
+    path.write_text(patched(name))
     return path.name
 
 
@@ -64,16 +113,37 @@ def time_us(fn, calls: int = 20, reps: int = 20) -> float:
     return best
 
 
-def main(out: str) -> None:
+def clusters_resident(kernel: Kernel, grid: int, shared: int) -> int:
+    """Clusters of `kernel` (compiled cluster size) the GPU holds at once at this launch shape
+    (cuOccupancyMaxActiveClusters)."""
+    import ctypes
+
+    from ddbench.kernels import cuda
+
+    occupancy(kernel, md.THREADS, shared)                        # sets the kernel's dynamic shared memory
+    cfg = cuda._Config((grid, 1, 1), (md.THREADS, 1, 1), shared, None, None, 0)
+    n = ctypes.c_int()
+    cuda._check(cuda._driver().cuOccupancyMaxActiveClusters(ctypes.byref(n), kernel.fn, ctypes.byref(cfg)),
+                "cuOccupancyMaxActiveClusters")
+    return n.value
+
+
+def main(out: str, names: str = "product,nomath,noload,w2noload,bare,ks2,cluster") -> None:
     dev = torch.device("cuda")
     w = random_marlin_moe(384, 7168, 256, 32, top_k=8, device=dev, seed=1)
     x = torch.randn(1, 7168, device=dev).bfloat16()
     ids, tw = synthetic_routing("uniform", 1, 384, 8, device=dev, seed=1)
     ref = md.fused_moe_decode(x, ids, tw, w)
     rows, orig, ks0 = [], md._kernel, md.KS
-    for name, ks in [("product", ks0), ("nomath", ks0), ("noload", ks0), ("w2noload", ks0), ("bare", ks0),
-                     ("ks2", 2)]:
+    for name in names.split(","):
+        ks = 2 if name == "ks2" else ks0
         src = variant_source(name) if name in PATCHES else "moe_decode.cu"
+        if name == "cluster":
+            k = Kernel(src, "decode_moe", {"H": 7168, "I": 256, "G": 32, "KS": ks}, dev)
+            have, need = clusters_resident(k, md.programs(8, w), md.shared_bytes(7168, 256, 32)), md.programs(8, w) // ks
+            print(f"cluster: {have} clusters of {ks} resident at once, the grid has {need}", flush=True)
+            if have < need:
+                continue
         md.KS = ks
         md._kernel = functools.lru_cache(maxsize=None)(
             lambda h, i, g, d, _src=src, _ks=ks: Kernel(_src, "decode_moe", {"H": h, "I": i, "G": g, "KS": _ks}, d))
@@ -93,4 +163,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

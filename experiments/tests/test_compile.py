@@ -6,6 +6,7 @@ import pytest
 from ddbench.kernels import cuda
 from experiments import dataflow, hop_probe
 from experiments.cuda import HERE
+from experiments.scripts import moe_decode_probe
 
 
 def _cubin(source: str, defines: dict) -> bytes:
@@ -37,3 +38,10 @@ def test_dataflow_compiles(split, publisher, marks):
 def test_stream_probe_compiles(mode):
     assert len(_cubin("stream_probe.cu", {"MODE": mode, "THREADS": 256, "UNROLL": 4, "STAGES": 4,
                                           "CHUNK": 8192})) > 1000
+
+
+@pytest.mark.parametrize("variant", sorted(moe_decode_probe.PATCHES))
+def test_moe_decode_probe_variants_compile(variant, tmp_path):
+    path = tmp_path / f"{variant}.cu"
+    path.write_text(moe_decode_probe.patched(variant))
+    assert len(cuda.cubin(str(path), (("G", 32), ("H", 7168), ("I", 256), ("KS", 4)), "sm_90")) > 1000
