@@ -88,8 +88,7 @@ def check_output(out: Path, name: Optional[str] = None) -> None:
 @user_errors
 def env(json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the facts to this JSON file."),
         kernels: str = KERNELS):
-    """GPU(s), driver, CUDA, torch, triton, NCCL, clocks, memory and interconnect, and what
-    the kernel choice (--kernels) runs on this machine."""
+    """GPU(s), driver, CUDA, torch, triton, NCCL, clocks, memory, interconnect, and the kernels --kernels picks here."""
     from ddbench.envinfo import run
     from ddbench.results import ensure_out_dir
 
