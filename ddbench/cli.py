@@ -6,6 +6,7 @@ data; bad input prints one line to stderr and exits with code 2.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -505,6 +506,17 @@ def e2e(
         allreduce_model=allreduce_model, moe_backend=moe_backend, attn_backend=attn_backend, graph=graph,
         init=init, topk=topk, seed=seed, out=out, override=override,
         baseline=baseline or Path("results/baseline"), name=name, kernel_choice=choice)
+
+
+def reflow(doc: str) -> str:
+    """A docstring's paragraphs each on one line (rich help keeps the source's line breaks, which
+    break mid-sentence in a terminal narrower or wider than the source)."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in par.splitlines()) for par in paragraphs)
+
+
+for _command in app.registered_commands:
+    _command.help = reflow(_command.help or _command.callback.__doc__ or "")
 
 
 def main():

@@ -163,3 +163,18 @@ def test_main_entry_point_version():
     r = subprocess.run([sys.executable, "-m", "ddbench", "--version"], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert r.returncode == 0 and __version__ in r.stdout
+
+
+def test_help_paragraphs_reflow_to_the_terminal():
+    """The commands' docstrings are hard-wrapped; their help must not break lines where the
+    source did (rich keeps single line breaks)."""
+    from ddbench.cli import reflow
+
+    assert reflow("""One line
+    and its rest.
+
+    Second paragraph,
+    wrapped.""") == "One line and its rest.\n\nSecond paragraph, wrapped."
+    out = runner.invoke(app, ["moe-sweep", "--help"], env={"COLUMNS": "120"}).output
+    assert "the copy bandwidth and bf16 GEMM rate measured in the same run." in " ".join(out.split())
+    assert "with --tp 8), a routing per token count" in out
