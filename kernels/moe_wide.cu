@@ -20,8 +20,8 @@
 // exactly, one bf16x2 multiply by the column's scale (rounded to bf16 once) the weight.
 //
 // Determinism: no K split; w2's weighted rows (bf16) are summed in fp32 in slot order by the
-// last of a token's k items (atomic ticket, reset by that last user), 64 threads a token and
-// 8 columns a thread, so a program sums THREADS/64 tokens at once.
+// last of a token's k items (atomic ticket, reset by that last user), 8 WARPS threads a token
+// and 8 columns a thread, so a program sums 4 tokens at once.
 //
 // Compile-time: MT (16-row tiles a block), STAGES, WARPS, G (group), H, I, TOPK.
 #include "common.cuh"
@@ -30,12 +30,15 @@
 #define THREADS (WARPS * 32)
 #define NB WARPS                  // Marlin blocks an item: w13 WARPS/2 gate + WARPS/2 up (half each), w2 WARPS
 #define XV (CH * 4)               // 16-byte vectors a stage: x rows (CH x 32 bf16)
+#define XI ((XV + THREADS - 1) / THREADS)  // x vectors a thread
 #define WV (NB * 64)              // words: NB blocks x 2 k-tiles x 32 lanes
 #define SV (NB * 8)               // scales: NB blocks x 64 bf16
 #define STAGE_V (XV + WV + SV)
+#define SUMT (8 * NB)             // w2's k sum: threads a token, 8 of the item's 64 NB columns each
 
-static_assert(XV <= THREADS && SV <= THREADS && WV % THREADS == 0 && THREADS % 64 == 0, "one x and one scale vector a thread at most");
+static_assert(SV <= THREADS && WV % THREADS == 0, "one scale vector a thread at most, whole word vectors a thread");
 static_assert(MT == 1 || MT == 2 || MT == 4, "MT is 1, 2 or 4");
+static_assert(WARPS == 4 || WARPS == 8, "WARPS is 4 or 8");
 
 __device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -129,7 +132,7 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
     const int total = *n_blocks * CHUNKS;
     const int q_end = total > (int)blockIdx.x ? (total - 1 - (int)blockIdx.x) / (int)gridDim.x * NST + NST : 0;
 
-    const uint4* xsrc = nullptr;                            // issue state: this thread's sources of the item
+    const uint4* xsrc[XI];                                  // issue state: this thread's sources of the item
     const uint4* wsrc[WV / THREADS];
     const uint4* ssrc = nullptr;
     auto issue = [&](int q) {
@@ -138,10 +141,14 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
             if (st == 0) {
                 const int item = blockIdx.x + q / NST * gridDim.x, c = item % CHUNKS, blk = item / CHUNKS;
                 const int e = block_expert[blk], rows = block_rows[blk];
-                xsrc = nullptr;
-                if (tid < XV && tid / 4 < rows) {
-                    const long row = W13 ? sorted[blk * CH + tid / 4] / TOPK : (long)blk * CH + tid / 4;
-                    xsrc = (const uint4*)(xin + row * K) + tid % 4;
+#pragma unroll
+                for (int i = 0; i < XI; i++) {
+                    const int v = tid + i * THREADS;
+                    xsrc[i] = nullptr;
+                    if (v < XV && v / 4 < rows) {
+                        const long row = W13 ? sorted[blk * CH + v / 4] / TOPK : (long)blk * CH + v / 4;
+                        xsrc[i] = (const uint4*)(xin + row * K) + v % 4;
+                    }
                 }
                 const uint4* we = (const uint4*)(w + (long)e * (K / 16) * (2 * N));
 #pragma unroll
@@ -152,7 +159,11 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
                 if (tid < SV) ssrc = (const uint4*)(s + (long)e * (K / G) * N + nb_of(tid / 8, c) * 64) + tid % 8;
             }
             uint4* slot = smem + (q % STAGES) * STAGE_V;
-            if (tid < XV) cp16z(smem_addr(slot) + xoff(tid / 4, tid % 4), xsrc ? xsrc + 4 * st : (const uint4*)xin, xsrc != nullptr);
+#pragma unroll
+            for (int i = 0; i < XI; i++) {
+                const int v = tid + i * THREADS;
+                if (v < XV) cp16z(smem_addr(slot) + xoff(v / 4, v % 4), xsrc[i] ? xsrc[i] + 4 * st : (const uint4*)xin, xsrc[i] != nullptr);
+            }
 #pragma unroll
             for (int i = 0; i < WV / THREADS; i++) cp_async16(smem_addr(slot + XV + tid + i * THREADS), wsrc[i] + (long)st * N);
             if (tid < SV) cp_async16(smem_addr(slot + XV + WV + tid), ssrc + (long)(st * 32 / G) * (N / 8));
@@ -228,9 +239,9 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
             }
             __syncthreads();
             __threadfence();
-            // the tokens whose k rows are all written: 64 threads a token (8 columns each), THREADS/64 at a time
-            const int col = c * 64 * NB + 8 * (tid % 64);
-            for (int i = tid / 64; i < n_last; i += THREADS / 64) {
+            // the tokens whose k rows are all written: SUMT threads a token (8 columns each), 4 at a time
+            const int col = c * 64 * NB + 8 * (tid % SUMT);
+            for (int i = tid / SUMT; i < n_last; i += THREADS / SUMT) {
                 const int tok = last_tok[i];
                 uint4 v[TOPK];
 #pragma unroll

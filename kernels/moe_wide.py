@@ -5,10 +5,10 @@
 
 `fused_moe_wide(x, topk_ids, topk_weights, w)` computes what `kernels.moe.fused_moe_ref`
 computes in three launches and no host syncs (CUDA-graph safe): `moe_marlin.plan` with blocks
-of 16*MT rows, then `wide_w13` (one item a (block, 32*WARPS gate + up columns), SiLU(gate) * up
-in the epilogue) and `wide_w2` (one item a (block, 64*WARPS output columns); each row times
+of 16*MT rows, then `wide_w13` (one item a (block, 32*warps gate + up columns), SiLU(gate) * up
+in the epilogue) and `wide_w2` (one item a (block, 64*warps output columns); each row times
 its top-k weight, and the last of a token's k items sums its k rows in slot order). A program
-of WARPS warps streams its block's rows, words and scales a 32-row K stage at a time through
+of 4 or 8 warps (each launch its own count: TILES) streams its block's rows, words and scales a 32-row K stage at a time through
 one shared ring; no K split. The weight is (q - 8) * scale rounded to bf16 once (moe_marlin
 keeps q - 8 exact and scales the fp32 product): relative error ~4e-3 against the fp32
 reference (moe_marlin's ~3e-3).
@@ -23,12 +23,12 @@ import torch
 
 from ddbench.kernels import moe_marlin, pdl
 
-WARPS = 8
-# (max tokens per expert T*k/E, MT 16-row tiles a block, STAGES); first match
-TILES: list[tuple[float, int, int]] = [
-    (16.0, 1, 4),
-    (32.0, 2, 4),
-    (float("inf"), 4, 4),
+WARPS = 8                 # the most warps a program (shapes_ok's bound); 4 or 8
+# (max tokens per expert T*k/E, MT 16-row tiles a block, STAGES, w13's warps a program, w2's); first match
+TILES: list[tuple[float, int, int, int, int]] = [
+    (16.0, 1, 4, 8, 8),
+    (32.0, 2, 4, 8, 8),
+    (float("inf"), 4, 4, 8, 8),
 ]
 
 
@@ -46,20 +46,23 @@ def shapes_ok(w) -> bool:
 
 
 def tile_name(tiles: dict) -> str:
-    """The tile string result files record, e.g. 'mt4s4w8'."""
-    return "mt{mt}s{stages}w{warps}".format(**tiles)
+    """The tile string result files record: 'mt4s4w8' (both launches 8 warps a program) or
+    'mt4s4w8v4' (w13 8, w2 4)."""
+    w2 = "" if tiles["w2_warps"] == tiles["warps"] else f"v{tiles['w2_warps']}"
+    return "mt{mt}s{stages}w{warps}".format(**tiles) + w2
 
 
 def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
-    """{"mt", "stages", "warps"} of the first TILES row whose bound holds T*k/E."""
+    """{"mt", "stages", "warps", "w2_warps"} of the first TILES row whose bound holds T*k/E."""
     per_expert = tokens * top_k / n_experts
-    _, mt, stages = next(r for r in (table or TILES) if per_expert <= r[0])
-    return {"mt": mt, "stages": stages, "warps": WARPS}
+    _, mt, stages, warps, w2_warps = next(r for r in (table or TILES) if per_expert <= r[0])
+    return {"mt": mt, "stages": stages, "warps": warps, "w2_warps": w2_warps}
 
 
-def shared_bytes(tiles: dict) -> int:
-    """The ring: stages x (x rows 16*MT x 64 bytes + words 64 vectors a warp + scales 8 a warp) x 16 bytes."""
-    return tiles["stages"] * (64 * tiles["mt"] + 72 * tiles["warps"]) * moe_marlin.VECTOR
+def shared_bytes(tiles: dict, warps: int | None = None) -> int:
+    """The ring of a program of `warps` (w13's by default): stages x (x rows 16*MT x 64 bytes +
+    words 64 vectors a warp + scales 8 a warp) x 16 bytes."""
+    return tiles["stages"] * (64 * tiles["mt"] + 72 * (warps or tiles["warps"])) * moe_marlin.VECTOR
 
 
 def emulate_b_fragments(word: torch.Tensor) -> torch.Tensor:
@@ -90,27 +93,28 @@ def _grid(name: str, mt: int, stages: int, warps: int, group: int, hidden: int, 
           device: torch.device) -> int:
     from ddbench.kernels.cuda import occupancy
 
-    tiles = {"mt": mt, "stages": stages, "warps": warps}
     k = _kernel(name, mt, stages, warps, group, hidden, inter, top_k, device)
-    per_sm = occupancy(k, 32 * warps, shared_bytes(tiles))
+    per_sm = occupancy(k, 32 * warps, shared_bytes({"mt": mt, "stages": stages}, warps))
     if per_sm < 1:
-        raise ValueError(f"moe_wide: tiles {tiles} do not fit one SM")
+        raise ValueError(f"moe_wide: {name} with MT {mt}, {stages} stages, {warps} warps does not fit one SM")
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def resolve_tiles(tokens: int, top_k: int, w, tiles: dict | None = None) -> dict:
-    """The tile dict a call runs: tiles_for's, or `tiles` ({"mt", "stages"}; warps is WARPS)."""
+    """The tile dict a call runs: tiles_for's, or `tiles` ({"mt"[, "stages", "warps", "w2_warps"]};
+    stages 4 and WARPS warps where not given, w2's warps as w13's)."""
     t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
     t.setdefault("stages", 4)
-    t["warps"] = WARPS
-    if t["mt"] not in (1, 2, 4) or not 2 <= t["stages"] <= 8:
-        raise ValueError(f"moe_wide: mt must be 1, 2 or 4 and stages 2..8, got {t}")
+    t.setdefault("warps", WARPS)
+    t.setdefault("w2_warps", t["warps"])
+    if t["mt"] not in (1, 2, 4) or not 2 <= t["stages"] <= 8 or {t["warps"], t["w2_warps"]} - {4, 8}:
+        raise ValueError(f"moe_wide: mt must be 1, 2 or 4, stages 2..8 and warps 4 or 8, got {t}")
     return t
 
 
-def _launch(name: str, tiles: dict, w, top_k: int, device: torch.device, args: list, mode: int) -> None:
-    key = (tiles["mt"], tiles["stages"], tiles["warps"], w.group_size, w.hidden, w.inter, top_k, device)
-    _kernel(name, *key)(_grid(name, *key), 32 * tiles["warps"], shared_bytes(tiles), args + [mode], pdl=mode > 0)
+def _launch(name: str, tiles: dict, warps: int, w, top_k: int, device: torch.device, args: list, mode: int) -> None:
+    key = (tiles["mt"], tiles["stages"], warps, w.group_size, w.hidden, w.inter, top_k, device)
+    _kernel(name, *key)(_grid(name, *key), 32 * warps, shared_bytes(tiles, warps), args + [mode], pdl=mode > 0)
 
 
 def wide_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict, pdl_mode: int = 2) -> torch.Tensor:
@@ -118,7 +122,7 @@ def wide_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict, pdl_mo
     `[T, H]` -> SiLU(gate)*up bf16 `[rows, I]` in the plan's sorted rows."""
     sorted_ids, block_expert, block_rows, n_blocks = routing
     act = torch.empty(sorted_ids.numel(), w.inter, dtype=torch.bfloat16, device=x.device)
-    _launch("wide_w13", tiles, w, top_k, x.device,
+    _launch("wide_w13", tiles, tiles["warps"], w, top_k, x.device,
             [x.contiguous(), w.w13, w.w13_scale, sorted_ids, block_expert, block_rows, n_blocks, act],
             pdl.on(x, pdl_mode))
     return act
@@ -133,8 +137,8 @@ def wide_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, ti
     h, dev = w.hidden, act.device
     out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     ypart = torch.empty(t * top_k, h, dtype=torch.bfloat16, device=dev)   # each slot's weighted row
-    tickets = moe_marlin.tickets(dev, t * (h // (64 * tiles["warps"])))
-    _launch("wide_w2", tiles, w, top_k, dev,
+    tickets = moe_marlin.tickets(dev, t * (h // (64 * tiles["w2_warps"])))
+    _launch("wide_w2", tiles, tiles["w2_warps"], w, top_k, dev,
             [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
              topk_weights.reshape(-1).float().contiguous(), ypart, tickets, out], pdl.on(act, pdl_mode))
     return out

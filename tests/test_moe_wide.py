@@ -24,13 +24,19 @@ def test_b_fragments_are_the_tile(seed):
 def test_tiles_and_shapes():
     assert mw.tiles_for(512, 8, 384)["mt"] == 1           # 10.7 tokens an expert
     assert mw.tiles_for(1024, 8, 384)["mt"] == 2          # 21.3
-    assert mw.tiles_for(4096, 8, 384) == {"mt": 4, "stages": 4, "warps": mw.WARPS}
+    big = mw.tiles_for(4096, 8, 384)
+    assert big["mt"] == 4 and {big["warps"], big["w2_warps"]} <= {4, 8}
     assert mw.shared_bytes({"mt": 4, "stages": 4, "warps": 8}) == 4 * (256 + 576) * 16
+    assert mw.shared_bytes({"mt": 4, "stages": 4, "warps": 8}, 4) == 4 * (256 + 288) * 16
+    assert mw.tile_name({"mt": 4, "stages": 4, "warps": 8, "w2_warps": 8}) == "mt4s4w8"
+    assert mw.tile_name({"mt": 4, "stages": 3, "warps": 8, "w2_warps": 4}) == "mt4s3w8v4"
     shard = random_marlin_moe(4, 7168, 256, 32, top_k=2, chunk=4)
     assert mw.shapes_ok(shard)
     assert not mw.shapes_ok(random_marlin_moe(4, 7168, 128, 32, top_k=2, chunk=4))   # I not a multiple of 256
-    with pytest.raises(ValueError):
-        mw.resolve_tiles(64, 8, shard, {"mt": 3})
+    assert mw.resolve_tiles(64, 8, shard, {"mt": 2, "warps": 4}) == {"mt": 2, "stages": 4, "warps": 4, "w2_warps": 4}
+    for bad in ({"mt": 3}, {"mt": 2, "warps": 6}, {"mt": 2, "w2_warps": 2}, {"mt": 2, "stages": 9}):
+        with pytest.raises(ValueError):
+            mw.resolve_tiles(64, 8, shard, bad)
 
 
 def test_resolve_on_cpu_never_wide():
@@ -58,12 +64,13 @@ def test_wide_matches_reference(k26, routing, tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mt,stages", [(1, 3), (2, 4), (4, 4), (4, 6)])
-def test_wide_tiles_and_graph_replay(k26, mt, stages):
-    """Every MT, eager = graph replay; skewed routing gives blocks of every count of valid
-    16-row tiles."""
+@pytest.mark.parametrize("mt,stages,warps,w2_warps", [(1, 3, 8, 8), (2, 4, 8, 8), (4, 4, 8, 8), (4, 6, 8, 8),
+                                                      (1, 4, 4, 4), (2, 3, 8, 4), (4, 4, 4, 4), (4, 4, 8, 4)])
+def test_wide_tiles_and_graph_replay(k26, mt, stages, warps, w2_warps):
+    """Every MT and warp count, eager = graph replay, bitwise the same for 4 and 8 warps;
+    skewed routing gives blocks of every count of valid 16-row tiles."""
     x, ids, tw = _case("skewed", 600, k26, seed=mt)
-    tiles = mw.resolve_tiles(600, 8, k26, {"mt": mt, "stages": stages})
+    tiles = mw.resolve_tiles(600, 8, k26, {"mt": mt, "stages": stages, "warps": warps, "w2_warps": w2_warps})
     eager = mw.fused_moe_wide(x, ids, tw, k26, tiles)
     assert _err(eager, fused_moe_ref(x.float(), ids, tw, k26).float()) <= 1e-2
     graph = torch.cuda.CUDAGraph()
@@ -73,6 +80,7 @@ def test_wide_tiles_and_graph_replay(k26, mt, stages):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+    assert torch.equal(eager, mw.fused_moe_wide(x, ids, tw, k26, dict(tiles, stages=4, warps=8, w2_warps=8)))
 
 
 @pytest.mark.gpu
