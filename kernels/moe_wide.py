@@ -26,9 +26,8 @@ from ddbench.kernels import moe_marlin, pdl
 WARPS = 8                 # the most warps a program (shapes_ok's bound); 4 or 8
 # (max tokens per expert T*k/E, MT 16-row tiles a block, STAGES, w13's warps a program, w2's); first match
 TILES: list[tuple[float, int, int, int, int]] = [
-    (16.0, 1, 4, 8, 8),
-    (32.0, 2, 4, 8, 8),
-    (float("inf"), 4, 4, 8, 8),
+    (32.0, 2, 4, 4, 4),
+    (float("inf"), 4, 4, 4, 4),
 ]
 
 

@@ -22,10 +22,11 @@ def test_b_fragments_are_the_tile(seed):
 
 
 def test_tiles_and_shapes():
-    assert mw.tiles_for(512, 8, 384)["mt"] == 1           # 10.7 tokens an expert
+    assert mw.tiles_for(768, 8, 384) == {"mt": 2, "stages": 4, "warps": 4, "w2_warps": 4}   # 16 tokens an expert
     assert mw.tiles_for(1024, 8, 384)["mt"] == 2          # 21.3
     big = mw.tiles_for(4096, 8, 384)
     assert big["mt"] == 4 and {big["warps"], big["w2_warps"]} <= {4, 8}
+    assert mw.tiles_for(4096, 8, 384, [(float("inf"), 1, 3, 8, 4)]) == {"mt": 1, "stages": 3, "warps": 8, "w2_warps": 4}
     assert mw.shared_bytes({"mt": 4, "stages": 4, "warps": 8}) == 4 * (256 + 576) * 16
     assert mw.shared_bytes({"mt": 4, "stages": 4, "warps": 8}, 4) == 4 * (256 + 288) * 16
     assert mw.tile_name({"mt": 4, "stages": 4, "warps": 8, "w2_warps": 8}) == "mt4s4w8"
