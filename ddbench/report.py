@@ -100,6 +100,8 @@ def run_header(r: Run) -> list[str]:
     gpu = r.meta.get("gpu_name") or r.meta.get("hardware") or r.gpu
     state = " **INCOMPLETE (interrupted or unfinished run)**" if r.incomplete else ""
     commit = f", commit {r.meta['git_commit']}" if r.meta.get("git_commit") else ""
+    if r.meta.get("source_sha"):
+        commit += f", source {r.meta['source_sha']}"
     lines = [f"- Run `{r.csv}`: {r.date if r.started else 'date not recorded'}, {gpu}{commit}{state}"]
     if r.meta.get("provenance"):
         lines.append(f"  - provenance: {r.meta['provenance']}")

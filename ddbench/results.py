@@ -125,13 +125,18 @@ def _claim(out: Path, name: str) -> None:
     print(f"note: moved the interrupted run {stale.name} aside to {new}.csv", file=sys.stderr)
 
 
-def git_commit() -> str | None:
+def git_commit(where: Path | None = None) -> str | None:
+    """HEAD's short hash, with "+changes" where tracked files differ from it (a tree that ran with
+    edits, or a copy whose .git is stale: `source_sha` then names what ran)."""
+    cwd = where or Path(__file__).resolve().parent
     try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           timeout=5, cwd=Path(__file__).resolve().parent)
-        return r.stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5, cwd=cwd).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, timeout=10, cwd=cwd).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+    return (head + ("+changes" if changed else "")) or None
 
 
 def source_sha() -> str:

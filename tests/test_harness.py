@@ -133,3 +133,25 @@ def test_source_sha_names_the_source_that_ran(tmp_path):
     f = copy / "kernels" / "moe_marlin.cu"
     f.write_text(f.read_text() + "\n")
     assert sha() != source_sha()
+
+
+def test_git_commit_says_when_tracked_files_differ_from_head(tmp_path):
+    """git_commit is HEAD's hash, with "+changes" once a tracked file is edited (a stale .git
+    beside a newer tree must not pass for the commit that ran)."""
+    import subprocess
+
+    from ddbench.results import git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / "untracked.txt").write_text("not part of the tree\n")
+    assert git_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head + "+changes"
