@@ -9,9 +9,9 @@ of 16*MT rows, then `wide_w13` (one item a (block, 32*warps gate + up columns), 
 in the epilogue) and `wide_w2` (one item a (block, 64*warps output columns); each row times
 its top-k weight, and the last of a token's k items sums its k rows in slot order). A program
 of 4 or 8 warps (each launch its own count: TILES; 4 for both, measured) streams its block's
-rows, words and scales a 32-row K stage at a time through one shared ring; no K split. The weight is (q - 8) * scale rounded to bf16 once (moe_marlin
-keeps q - 8 exact and scales the fp32 product): relative error ~4e-3 against the fp32
-reference (moe_marlin's ~3e-3).
+rows, words and scales a 32-row K stage at a time through one shared ring; no K split. The
+weight is (q - 8) * scale rounded to bf16 once (moe_marlin keeps q - 8 exact and scales the fp32
+product): relative error ~4e-3 against the fp32 reference (moe_marlin's ~3e-3).
 
 `tiles_for` picks MT by tokens per expert (TILES); `fits` says whether a call qualifies.
 """
