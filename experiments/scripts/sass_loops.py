@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import csv
+import functools
 import glob
 import re
 import shutil
@@ -151,6 +152,13 @@ def mma_blocks(ins: list[tuple[int, str, str]], lp: dict) -> list[tuple[int, int
     return [(len(b), sum(op.startswith("HMMA") for op in b)) for b in blocks if any(op.startswith("HMMA") for op in b)]
 
 
+@functools.lru_cache(maxsize=None)
+def wide_sass(mt: int, stages: int, warps: int) -> dict[str, list[tuple[int, str, str]]]:
+    """moe_wide.cu's functions, parsed, at these tiles and DEFINES' shape (one nvcc run a tile)."""
+    shape = {k: DEFINES[k] for k in ("G", "H", "I", "TOPK")}
+    return parse(sass("moe_wide.cu", {"MT": mt, "STAGES": stages, "WARPS": warps, **shape}))
+
+
 def wide_bound(tokens: list[int], gemm_tflops: float = 805.0, seed: int = 0) -> list[dict]:
     """moe_wide's w13 / w2 at each T: warp-stages run (uniform routing planned on the CPU, the
     tiles `kernels.moe_wide.tiles_for` picks), the instructions and HMMA of a full stage's products,
@@ -165,12 +173,14 @@ def wide_bound(tokens: list[int], gemm_tflops: float = 805.0, seed: int = 0) -> 
     per_us = SMS * SCHEDULERS * CLOCK_MHZ
     for t in tokens:
         tiles = mw.tiles_for(t, TOPK, E)
-        mt, warps = tiles["mt"], tiles["warps"]
-        shape = {k: DEFINES[k] for k in ("G", "H", "I", "TOPK")}
-        funcs = parse(sass("moe_wide.cu", {"MT": mt, "STAGES": tiles["stages"], "WARPS": warps, **shape}))
+        mt = tiles["mt"]
         ids = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(t)])
         n_blocks = int(mm.plan_ref(ids, E, 16 * mt)[3])
-        for name, chunks, stages in (("wide_w13", I // (32 * warps), H // 32), ("wide_w2", H // (64 * warps), I // 32)):
+        # each launch at its own warps W: w13 items of 32 W of I columns, w2 of 64 W of H
+        for name, warps, n, cols, stages in (("wide_w13", tiles["warps"], I, 32, H // 32),
+                                             ("wide_w2", tiles["w2_warps"], H, 64, I // 32)):
+            chunks = n // (cols * warps)
+            funcs = wide_sass(mt, tiles["stages"], warps)
             lp = next(lp for lp in mma_loops(funcs[name]) if lp["inner"])
             instr, hmma = max(mma_blocks(funcs[name], lp), key=lambda b: b[1])
             warp_stages = n_blocks * chunks * stages * warps
