@@ -139,8 +139,9 @@ def main(out: str, names: str = "product,nomath,noload,w2noload,bare,ks2,cluster
         ks = 2 if name == "ks2" else ks0
         src = variant_source(name) if name in PATCHES else "moe_decode.cu"
         if name == "cluster":
-            k = Kernel(src, "decode_moe", {"H": 7168, "I": 256, "G": 32, "KS": ks}, dev)
-            have, need = clusters_resident(k, md.programs(8, w), md.shared_bytes(7168, 256, 32)), md.programs(8, w) // ks
+            k = Kernel(src, "decode_moe", {"H": w.hidden, "I": w.inter, "G": w.group_size, "KS": ks}, dev)
+            grid = md.programs(ids.numel(), w)
+            have, need = clusters_resident(k, grid, md.shared_bytes(w.hidden, w.inter, w.group_size)), grid // ks
             print(f"cluster: {have} clusters of {ks} resident at once, the grid has {need}", flush=True)
             if have < need:
                 continue
