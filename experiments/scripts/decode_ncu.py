@@ -21,6 +21,9 @@ COLUMNS = {  # short name -> ncu raw metric
     "us": "gpu__time_duration.sum",
     "dram_TBps": "dram__bytes.sum.per_second",
     "dram_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_rd_MB": "dram__bytes_read.sum",
+    "dram_wr_MB": "dram__bytes_write.sum",
+    "l2_hit_pct": "lts__t_sector_hit_rate.pct",
     "occ_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "issue_pct": "smsp__issue_active.avg.pct_of_peak_sustained_active",
     "inst_M": "inst_executed",
@@ -66,6 +69,9 @@ def summary(src: str, dst: str) -> None:
     out["us"] /= 1e3                                                        # ns -> us
     out["dram_TBps"] /= 1e12 if out["dram_TBps"].max() > 1e9 else 1e3   # bytes or GB per second
     out["inst_M"] /= 1e6
+    units = pd.read_csv(io.StringIO("".join(lines)), nrows=1, low_memory=False).iloc[0]   # the units row
+    for col in ("dram_rd_MB", "dram_wr_MB"):                                # -> MB, whatever unit ncu chose
+        out[col] *= {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}.get(str(units.get(COLUMNS[col])), 1.0)
     end = "_per_issue_active.ratio"
     stalls = {c[len(STALL):-len(end)]: _num(df[c]) for c in df
               if c.startswith(STALL) and c.endswith(end) and not c.endswith(("selected" + end, "not_selected" + end))}

@@ -6,7 +6,8 @@ one between cudaProfilerStart/Stop without PDL (each kernel's time is its own), 
 kernels come as (plan, w13, w2) per T. Run under `ncu --profile-from-start off --page raw --csv`
 and summarized by `experiments.scripts.decode_ncu summary`: `bash experiments/scripts/ncu.sh moe
 experiments.scripts.moe_ncu run 1,8,128,512,4096`. `... moe_ncu decode`: the one-token kernels
-(kernels/moe_decode.cu: decode_moe) the same way.
+(kernels/moe_decode.cu: decode_moe) the same way. `... moe_ncu wide 4096`: moe_wide's kernels at both
+w2 item orders.
 """
 import sys
 
@@ -51,8 +52,32 @@ def decode() -> None:
     torch.cuda.profiler.stop()
 
 
+def wide(tokens: list[int]) -> None:
+    """moe_wide (kernels/moe_wide.cu) at its default tiles, then with w2's items block-major
+    (w2c 0): kernels (plan, wide_w13, wide_w2) per (T, order)."""
+    from ddbench.kernels import moe_wide as mw
+
+    dev = torch.device("cuda")
+    w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
+    for t in tokens:
+        x = torch.randn(t, H, generator=torch.Generator(device=dev).manual_seed(t), device=dev).bfloat16()
+        ids, tw = synthetic_routing("uniform", t, E, K, device=dev, seed=t)
+        for w2c in (1, 0):
+            tiles = dict(mw.resolve_tiles(t, K, w), w2c=w2c)
+            print(f"T={t} tiles {mw.tile_name(tiles)}", flush=True)
+            for _ in range(2):
+                mw.fused_moe_wide(x, ids, tw, w, tiles, pdl_mode=0)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            mw.fused_moe_wide(x, ids, tw, w, tiles, pdl_mode=0)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "decode":
         decode()
+    elif sys.argv[1] == "wide":
+        wide([int(t) for t in sys.argv[2].split(",")])
     else:
         run([int(t) for t in sys.argv[2].split(",")])

@@ -15,6 +15,7 @@ stamp=$(date -u +%Y%m%d-%H%M)
 raw="$dir/${name}_ncu_raw_$stamp.csv"
 timeout 400 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
   --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+  --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
   --page raw --csv --log-file "$raw" python3 -m "$@" || echo "FAILED ncu"
 python3 -m experiments.scripts.decode_ncu summary "$raw" "$dir/${name}_ncu_$stamp.csv" || echo "FAILED ncu summary"
 if [ -n "$OUT" ]; then mkdir -p "$OUT/$name"; cp "$raw" "$dir/${name}_ncu_$stamp.csv" "$OUT/$name/" 2>/dev/null; fi
