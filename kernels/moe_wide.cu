@@ -23,7 +23,7 @@
 // last of a token's k items (atomic ticket, reset by that last user), 8 WARPS threads a token
 // and 8 columns a thread, so a program sums 4 tokens at once.
 //
-// Compile-time: MT (16-row tiles a block), STAGES, WARPS, W2C, G (group), H, I, TOPK.
+// Compile-time: MT (16-row tiles a block), STAGES, WARPS, G (group), H, I, TOPK.
 #include "common.cuh"
 
 #define CH (16 * MT)
@@ -129,12 +129,7 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
     // Marlin block of item block j (0..NB-1) in chunk c
     auto nb_of = [](int j, int c) { return W13 ? (j < NB / 2 ? c * NB / 2 + j : I / 64 + c * NB / 2 + j - NB / 2) : c * NB + j; };
     pdl_enter(pdl);
-    const int nblk = *n_blocks, total = nblk * CHUNKS;
-    // item -> (chunk, block): block-major, or for w2 at W2C chunk-major (a chunk's k rows stay in L2)
-    auto item_at = [&](int item, int& c, int& blk) {
-        if (!W13 && W2C) { c = item / nblk; blk = item % nblk; }
-        else { c = item % CHUNKS; blk = item / CHUNKS; }
-    };
+    const int total = *n_blocks * CHUNKS;
     const int q_end = total > (int)blockIdx.x ? (total - 1 - (int)blockIdx.x) / (int)gridDim.x * NST + NST : 0;
 
     const uint4* xsrc[XI];                                  // issue state: this thread's sources of the item
@@ -144,8 +139,7 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
         if (q < q_end) {
             const int st = q % NST;
             if (st == 0) {
-                int c, blk;
-                item_at(blockIdx.x + q / NST * gridDim.x, c, blk);
+                const int item = blockIdx.x + q / NST * gridDim.x, c = item % CHUNKS, blk = item / CHUNKS;
                 const int e = block_expert[blk], rows = block_rows[blk];
 #pragma unroll
                 for (int i = 0; i < XI; i++) {
@@ -185,8 +179,8 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
     for (int q = 0; q < q_end; q++) {
         const int st = q % NST;
         if (st == 0) {
-            item_at(blockIdx.x + q / NST * gridDim.x, c, blk);
-            rows = block_rows[blk]; mv = (rows + 15) / 16;
+            const int item = blockIdx.x + q / NST * gridDim.x;
+            c = item % CHUNKS; blk = item / CHUNKS; rows = block_rows[blk]; mv = (rows + 15) / 16;
         }
         cp_wait<STAGES - 2>();
         __syncthreads();                                    // stage q arrived; stage q - 1's slot is free

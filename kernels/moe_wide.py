@@ -45,10 +45,10 @@ def shapes_ok(w) -> bool:
 
 
 def tile_name(tiles: dict) -> str:
-    """The tile string result files record: 'mt4s4w8' (both launches 8 warps a program),
-    'mt4s4w8v4' (w13 8, w2 4), 'mt4s4w4r' (w2's items block-major)."""
+    """The tile string result files record: 'mt4s4w8' (both launches 8 warps a program) or
+    'mt4s4w8v4' (w13 8, w2 4)."""
     w2 = "" if tiles["w2_warps"] == tiles["warps"] else f"v{tiles['w2_warps']}"
-    return "mt{mt}s{stages}w{warps}".format(**tiles) + w2 + ("" if tiles.get("w2c", 1) else "r")
+    return "mt{mt}s{stages}w{warps}".format(**tiles) + w2
 
 
 def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
@@ -56,18 +56,6 @@ def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None
     per_expert = tokens * top_k / n_experts
     _, mt, stages, warps, w2_warps = next(r for r in (table or TILES) if per_expert <= r[0])
     return {"mt": mt, "stages": stages, "warps": warps, "w2_warps": w2_warps}
-
-
-def w2_chunk_major(tokens: int, top_k: int, inter: int, l2_bytes: int) -> int:
-    """1 (w2's items chunk-major: all blocks of one column chunk, then the next) where w2's input
-    rows (T*k x I bf16) take at most half the L2, so they stay there while every chunk rereads
-    them, and a token's k weighted rows of a chunk are still in L2 when its k sum reads them
-    back; else 0 (block-major: a block's rows read once for all its chunks, K2.6 TP-1)."""
-    return int(tokens * top_k * inter * 2 <= l2_bytes // 2)
-
-
-def _l2_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 50 << 20
 
 
 def shared_bytes(tiles: dict, warps: int | None = None) -> int:
@@ -92,19 +80,19 @@ def emulate_b_fragments(word: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the CUDA launches
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, mt: int, stages: int, warps: int, w2c: int, group: int, hidden: int, inter: int,
-            top_k: int, device: torch.device):
+def _kernel(name: str, mt: int, stages: int, warps: int, group: int, hidden: int, inter: int, top_k: int,
+            device: torch.device):
     from ddbench.kernels.cuda import Kernel
-    return Kernel("moe_wide.cu", name, {"MT": mt, "STAGES": stages, "WARPS": warps, "W2C": w2c, "G": group,
-                                        "H": hidden, "I": inter, "TOPK": top_k}, device)
+    return Kernel("moe_wide.cu", name, {"MT": mt, "STAGES": stages, "WARPS": warps, "G": group, "H": hidden,
+                                        "I": inter, "TOPK": top_k}, device)
 
 
 @functools.lru_cache(maxsize=None)
-def _grid(name: str, mt: int, stages: int, warps: int, w2c: int, group: int, hidden: int, inter: int, top_k: int,
+def _grid(name: str, mt: int, stages: int, warps: int, group: int, hidden: int, inter: int, top_k: int,
           device: torch.device) -> int:
     from ddbench.kernels.cuda import occupancy
 
-    k = _kernel(name, mt, stages, warps, w2c, group, hidden, inter, top_k, device)
+    k = _kernel(name, mt, stages, warps, group, hidden, inter, top_k, device)
     per_sm = occupancy(k, 32 * warps, shared_bytes({"mt": mt, "stages": stages}, warps))
     if per_sm < 1:
         raise ValueError(f"moe_wide: {name} with MT {mt}, {stages} stages, {warps} warps does not fit one SM")
@@ -112,21 +100,19 @@ def _grid(name: str, mt: int, stages: int, warps: int, w2c: int, group: int, hid
 
 
 def resolve_tiles(tokens: int, top_k: int, w, tiles: dict | None = None) -> dict:
-    """The tile dict a call runs: tiles_for's, or `tiles` ({"mt"[, "stages", "warps", "w2_warps", "w2c"]};
-    stages 4 and WARPS warps where not given, w2's warps as w13's, w2's order by `w2_chunk_major`)."""
+    """The tile dict a call runs: tiles_for's, or `tiles` ({"mt"[, "stages", "warps", "w2_warps"]};
+    stages 4 and WARPS warps where not given, w2's warps as w13's)."""
     t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
     t.setdefault("stages", 4)
     t.setdefault("warps", WARPS)
     t.setdefault("w2_warps", t["warps"])
-    t.setdefault("w2c", w2_chunk_major(tokens, top_k, w.inter, _l2_bytes(w.w2.device)))
-    if (t["mt"] not in (1, 2, 4) or not 2 <= t["stages"] <= 8 or {t["warps"], t["w2_warps"]} - {4, 8}
-            or t["w2c"] not in (0, 1)):
-        raise ValueError(f"moe_wide: mt must be 1, 2 or 4, stages 2..8, warps 4 or 8 and w2c 0 or 1, got {t}")
+    if t["mt"] not in (1, 2, 4) or not 2 <= t["stages"] <= 8 or {t["warps"], t["w2_warps"]} - {4, 8}:
+        raise ValueError(f"moe_wide: mt must be 1, 2 or 4, stages 2..8 and warps 4 or 8, got {t}")
     return t
 
 
 def _launch(name: str, tiles: dict, warps: int, w, top_k: int, device: torch.device, args: list, mode: int) -> None:
-    key = (tiles["mt"], tiles["stages"], warps, tiles["w2c"], w.group_size, w.hidden, w.inter, top_k, device)
+    key = (tiles["mt"], tiles["stages"], warps, w.group_size, w.hidden, w.inter, top_k, device)
     _kernel(name, *key)(_grid(name, *key), 32 * warps, shared_bytes(tiles, warps), args + [mode], pdl=mode > 0)
 
 

@@ -34,21 +34,10 @@ def test_tiles_and_shapes():
     shard = random_marlin_moe(4, 7168, 256, 32, top_k=2, chunk=4)
     assert mw.shapes_ok(shard)
     assert not mw.shapes_ok(random_marlin_moe(4, 7168, 128, 32, top_k=2, chunk=4))   # I not a multiple of 256
-    assert mw.resolve_tiles(64, 8, shard, {"mt": 2, "warps": 4}) == {"mt": 2, "stages": 4, "warps": 4, "w2_warps": 4,
-                                                                    "w2c": 1}
-    assert mw.tile_name({"mt": 4, "stages": 4, "warps": 4, "w2_warps": 4, "w2c": 0}) == "mt4s4w4r"
-    for bad in ({"mt": 3}, {"mt": 2, "warps": 6}, {"mt": 2, "w2_warps": 2}, {"mt": 2, "stages": 9}, {"mt": 2, "w2c": 2}):
+    assert mw.resolve_tiles(64, 8, shard, {"mt": 2, "warps": 4}) == {"mt": 2, "stages": 4, "warps": 4, "w2_warps": 4}
+    for bad in ({"mt": 3}, {"mt": 2, "warps": 6}, {"mt": 2, "w2_warps": 2}, {"mt": 2, "stages": 9}):
         with pytest.raises(ValueError):
             mw.resolve_tiles(64, 8, shard, bad)
-
-
-def test_w2_order_by_l2():
-    """w2 chunk-major while its T*k input rows of I bf16 fit in half the L2 (50 MiB: H100 / H200)."""
-    l2 = 50 << 20
-    assert mw.w2_chunk_major(4096, 8, 256, l2) == 1            # K2.6 TP-8: 16.8 MB
-    assert mw.w2_chunk_major(4096, 8, 2048, l2) == 0           # TP-1: 134 MB
-    assert mw.w2_chunk_major(1024, 8, 2048, l2) == 0           # 33.5 MB > 26.2
-    assert mw.w2_chunk_major(768, 8, 2048, l2) == 1            # 25.2 MB
 
 
 def test_resolve_on_cpu_never_wide():
@@ -93,7 +82,6 @@ def test_wide_tiles_and_graph_replay(k26, mt, stages, warps, w2_warps):
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
     assert torch.equal(eager, mw.fused_moe_wide(x, ids, tw, k26, dict(tiles, stages=4, warps=8, w2_warps=8)))
-    assert torch.equal(eager, mw.fused_moe_wide(x, ids, tw, k26, dict(tiles, w2c=1 - tiles["w2c"])))   # w2's item order
 
 
 @pytest.mark.gpu

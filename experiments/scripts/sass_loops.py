@@ -156,7 +156,7 @@ def mma_blocks(ins: list[tuple[int, str, str]], lp: dict) -> list[tuple[int, int
 def wide_sass(mt: int, stages: int, warps: int) -> dict[str, list[tuple[int, str, str]]]:
     """moe_wide.cu's functions, parsed, at these tiles and DEFINES' shape (one nvcc run a tile)."""
     shape = {k: DEFINES[k] for k in ("G", "H", "I", "TOPK")}
-    return parse(sass("moe_wide.cu", {"MT": mt, "STAGES": stages, "WARPS": warps, "W2C": 1, **shape}))
+    return parse(sass("moe_wide.cu", {"MT": mt, "STAGES": stages, "WARPS": warps, **shape}))
 
 
 def wide_bound(tokens: list[int], gemm_tflops: float = 805.0, seed: int = 0) -> list[dict]:
