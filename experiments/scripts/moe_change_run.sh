@@ -3,7 +3,7 @@
 # pass, STEPS in the order given, of:
 #   probe        experiments/scripts/moe_decode_probe.py (variants PROBE_V, default all)
 #   check        scripts/gpu/moe_marlin_check.py at tokens CHECK_T with variants CHECK_V
-#   ncu          Nsight Compute of moe_wide at tokens NCU_T, both w2 item orders (experiments.scripts.moe_ncu wide)
+#   ncu          Nsight Compute of moe_wide at tokens NCU_T (experiments.scripts.moe_ncu wide)
 #   sweep        moe-sweep TP-8 of this tree (the default rule)
 #   sweep_before the same of the tree in .snap (the commit before)
 #   tp1          moe-sweep TP-1 of this tree

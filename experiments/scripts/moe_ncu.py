@@ -6,8 +6,7 @@ one between cudaProfilerStart/Stop without PDL (each kernel's time is its own), 
 kernels come as (plan, w13, w2) per T. Run under `ncu --profile-from-start off --page raw --csv`
 and summarized by `experiments.scripts.decode_ncu summary`: `bash experiments/scripts/ncu.sh moe
 experiments.scripts.moe_ncu run 1,8,128,512,4096`. `... moe_ncu decode`: the one-token kernels
-(kernels/moe_decode.cu: decode_moe) the same way. `... moe_ncu wide 4096`: moe_wide's kernels at both
-w2 item orders.
+(kernels/moe_decode.cu: decode_moe) the same way. `... moe_ncu wide 4096`: moe_wide's kernels.
 """
 import sys
 
@@ -53,8 +52,7 @@ def decode() -> None:
 
 
 def wide(tokens: list[int]) -> None:
-    """moe_wide (kernels/moe_wide.cu) at its default tiles, then with w2's items block-major
-    (w2c 0): kernels (plan, wide_w13, wide_w2) per (T, order)."""
+    """moe_wide (kernels/moe_wide.cu) at its default tiles: kernels (plan, wide_w13, wide_w2) per T."""
     from ddbench.kernels import moe_wide as mw
 
     dev = torch.device("cuda")
@@ -62,16 +60,15 @@ def wide(tokens: list[int]) -> None:
     for t in tokens:
         x = torch.randn(t, H, generator=torch.Generator(device=dev).manual_seed(t), device=dev).bfloat16()
         ids, tw = synthetic_routing("uniform", t, E, K, device=dev, seed=t)
-        for w2c in (1, 0):
-            tiles = dict(mw.resolve_tiles(t, K, w), w2c=w2c)
-            print(f"T={t} tiles {mw.tile_name(tiles)}", flush=True)
-            for _ in range(2):
-                mw.fused_moe_wide(x, ids, tw, w, tiles, pdl_mode=0)
-            torch.cuda.synchronize()
-            torch.cuda.profiler.start()
+        tiles = mw.resolve_tiles(t, K, w)
+        print(f"T={t} tiles {mw.tile_name(tiles)}", flush=True)
+        for _ in range(2):
             mw.fused_moe_wide(x, ids, tw, w, tiles, pdl_mode=0)
-            torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        mw.fused_moe_wide(x, ids, tw, w, tiles, pdl_mode=0)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
 
 
 if __name__ == "__main__":
