@@ -21,9 +21,11 @@
 //
 // Determinism: no K split; w2's weighted rows (bf16) are summed in fp32 in slot order by the
 // last of a token's k items (atomic ticket, reset by that last user), 8 WARPS threads a token
-// and 8 columns a thread, so a program sums 4 tokens at once.
+// and 8 columns a thread, so a program sums 4 tokens at once; or (KAPART) by a third launch,
+// wide_ksum, in the same order and arithmetic (bitwise the same result).
 //
-// Compile-time: MT (16-row tiles a block), STAGES, WARPS, G (group), H, I, TOPK.
+// Compile-time: MT (16-row tiles a block), STAGES, WARPS, G (group), H, I, TOPK, L2P (L2 policy:
+// 0 none, 1 words and scales evict-first, 2 also w13's x rows evict-last), KAPART (0 / 1).
 #include "common.cuh"
 
 #define CH (16 * MT)
@@ -113,6 +115,25 @@ __device__ __forceinline__ void stage_mma(float (&acc)[MT][4][2][4], const uint4
     }
 }
 
+// out[tok, col..col+7] = the sum of the token's k weighted rows in slot order (fp32), bf16
+__device__ __forceinline__ void ksum8(const unsigned short* ypart, unsigned short* out, int tok, int col) {
+    uint4 v[TOPK];
+#pragma unroll
+    for (int j = 0; j < TOPK; j++) v[j] = ld_v4(ypart + (long)(tok * TOPK + j) * H + col);
+    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < TOPK; j++) {
+        const unsigned u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            sum[2 * p] += bf16_lo(u[p]);
+            sum[2 * p + 1] += bf16_hi(u[p]);
+        }
+    }
+    *(uint4*)(out + (long)tok * H + col) =
+        make_uint4(bf16x2(sum[0], sum[1]), bf16x2(sum[2], sum[3]), bf16x2(sum[4], sum[5]), bf16x2(sum[6], sum[7]));
+}
+
 template <bool W13>
 __device__ __forceinline__ void wide(const unsigned short* xin,                 // w13: x [T, H]; w2: act [rows, I]
                                      const unsigned* w, const unsigned short* s,
@@ -135,6 +156,7 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
     const uint4* xsrc[XI];                                  // issue state: this thread's sources of the item
     const uint4* wsrc[WV / THREADS];
     const uint4* ssrc = nullptr;
+    const unsigned long long wpol = evict_first(), xpol = evict_last();
     auto issue = [&](int q) {
         if (q < q_end) {
             const int st = q % NST;
@@ -162,11 +184,21 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
 #pragma unroll
             for (int i = 0; i < XI; i++) {
                 const int v = tid + i * THREADS;
-                if (v < XV) cp16z(smem_addr(slot) + xoff(v / 4, v % 4), xsrc[i] ? xsrc[i] + 4 * st : (const uint4*)xin, xsrc[i] != nullptr);
+                if (v >= XV) continue;
+                const unsigned dst = smem_addr(slot) + xoff(v / 4, v % 4);
+                const uint4* src = xsrc[i] ? xsrc[i] + 4 * st : (const uint4*)xin;
+                if (W13 && L2P >= 2) cp16z_hint(dst, src, xsrc[i] != nullptr, xpol);
+                else cp16z(dst, src, xsrc[i] != nullptr);
             }
 #pragma unroll
-            for (int i = 0; i < WV / THREADS; i++) cp_async16(smem_addr(slot + XV + tid + i * THREADS), wsrc[i] + (long)st * N);
-            if (tid < SV) cp_async16(smem_addr(slot + XV + WV + tid), ssrc + (long)(st * 32 / G) * (N / 8));
+            for (int i = 0; i < WV / THREADS; i++) {
+                if (L2P >= 1) cp16_ef(smem_addr(slot + XV + tid + i * THREADS), wsrc[i] + (long)st * N, wpol);
+                else cp_async16(smem_addr(slot + XV + tid + i * THREADS), wsrc[i] + (long)st * N);
+            }
+            if (tid < SV) {
+                if (L2P >= 1) cp16_ef(smem_addr(slot + XV + WV + tid), ssrc + (long)(st * 32 / G) * (N / 8), wpol);
+                else cp_async16(smem_addr(slot + XV + WV + tid), ssrc + (long)(st * 32 / G) * (N / 8));
+            }
         }
         cp_commit();
     };
@@ -225,7 +257,7 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
                             *(unsigned*)(dst + 16 * f + 8 * n) = bf16x2(acc[m][f][n][2 * hf] * wt, acc[m][f][n][2 * hf + 1] * wt);
                 }
             }
-        if constexpr (!W13) {                               // w2: the sum over the k slots
+        if constexpr (!W13 && !KAPART) {                    // w2: the sum over the k slots
             if (tid == 0) n_last = 0;
             __threadfence();
             __syncthreads();
@@ -243,21 +275,7 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
             const int col = c * 64 * NB + 8 * (tid % SUMT);
             for (int i = tid / SUMT; i < n_last; i += THREADS / SUMT) {
                 const int tok = last_tok[i];
-                uint4 v[TOPK];
-#pragma unroll
-                for (int j = 0; j < TOPK; j++) v[j] = ld_v4(ypart + (long)(tok * TOPK + j) * H + col);
-                float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int j = 0; j < TOPK; j++) {
-                    const unsigned u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-#pragma unroll
-                    for (int p = 0; p < 4; p++) {
-                        sum[2 * p] += bf16_lo(u[p]);
-                        sum[2 * p + 1] += bf16_hi(u[p]);
-                    }
-                }
-                *(uint4*)(out + (long)tok * H + col) =
-                    make_uint4(bf16x2(sum[0], sum[1]), bf16x2(sum[2], sum[3]), bf16x2(sum[4], sum[5]), bf16x2(sum[6], sum[7]));
+                ksum8(ypart, out, tok, col);
             }
         }
         zero(acc);
@@ -284,4 +302,13 @@ wide_w2(const unsigned short* act, const unsigned* w, const unsigned short* s,  
         int pdl)
 {
     wide<false>(act, w, s, sorted, block_expert, block_rows, n_blocks, topk_w, ypart, tickets, out, pdl);
+}
+
+// KAPART: the sum over the k slots after wide_w2, 8 columns a thread, H / 8 threads a token
+extern "C" __global__ void __launch_bounds__(256)
+wide_ksum(const unsigned short* ypart, unsigned short* out, int tokens, int pdl)   // ypart bf16 [T*k, H] -> out [T, H]
+{
+    pdl_enter(pdl);
+    const long i = (long)blockIdx.x * 256 + threadIdx.x;
+    if (i < (long)tokens * (H / 8)) ksum8(ypart, out, (int)(i / (H / 8)), (int)(i % (H / 8)) * 8);
 }

@@ -13,7 +13,11 @@ rows, words and scales a 32-row K stage at a time through one shared ring; no K 
 weight is (q - 8) * scale rounded to bf16 once (moe_marlin keeps q - 8 exact and scales the fp32
 product): relative error ~4e-3 against the fp32 reference (moe_marlin's ~3e-3).
 
-`tiles_for` picks MT by tokens per expert (TILES); `fits` says whether a call qualifies.
+`tiles_for` picks MT by tokens per expert (TILES); `fits` says whether a call qualifies. Two
+tile keys that tables leave at 0 select measured alternatives: `l2` (1: the words and scales
+read with an L2 evict-first policy, 2: also w13's x rows evict-last) and `ksum` (1: w2 writes
+the weighted rows only and a third launch, `wide_ksum`, sums each token's k rows in the same
+order: bitwise the same result).
 """
 from __future__ import annotations
 
@@ -45,10 +49,11 @@ def shapes_ok(w) -> bool:
 
 
 def tile_name(tiles: dict) -> str:
-    """The tile string result files record: 'mt4s4w8' (both launches 8 warps a program) or
-    'mt4s4w8v4' (w13 8, w2 4)."""
+    """The tile string result files record: 'mt4s4w8' (both launches 8 warps a program),
+    'mt4s4w8v4' (w13 8, w2 4), then 'e<l2>' for an L2 policy and 'k' for the k sum apart."""
     w2 = "" if tiles["w2_warps"] == tiles["warps"] else f"v{tiles['w2_warps']}"
-    return "mt{mt}s{stages}w{warps}".format(**tiles) + w2
+    l2 = f"e{tiles['l2']}" if tiles.get("l2") else ""
+    return "mt{mt}s{stages}w{warps}".format(**tiles) + w2 + l2 + ("k" if tiles.get("ksum") else "")
 
 
 def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
@@ -80,19 +85,19 @@ def emulate_b_fragments(word: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the CUDA launches
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, mt: int, stages: int, warps: int, group: int, hidden: int, inter: int, top_k: int,
-            device: torch.device):
+def _kernel(name: str, mt: int, stages: int, warps: int, l2: int, ksum: int, group: int, hidden: int, inter: int,
+            top_k: int, device: torch.device):
     from ddbench.kernels.cuda import Kernel
-    return Kernel("moe_wide.cu", name, {"MT": mt, "STAGES": stages, "WARPS": warps, "G": group, "H": hidden,
-                                        "I": inter, "TOPK": top_k}, device)
+    return Kernel("moe_wide.cu", name, {"MT": mt, "STAGES": stages, "WARPS": warps, "L2P": l2, "KAPART": ksum,
+                                        "G": group, "H": hidden, "I": inter, "TOPK": top_k}, device)
 
 
 @functools.lru_cache(maxsize=None)
-def _grid(name: str, mt: int, stages: int, warps: int, group: int, hidden: int, inter: int, top_k: int,
-          device: torch.device) -> int:
+def _grid(name: str, mt: int, stages: int, warps: int, l2: int, ksum: int, group: int, hidden: int, inter: int,
+          top_k: int, device: torch.device) -> int:
     from ddbench.kernels.cuda import occupancy
 
-    k = _kernel(name, mt, stages, warps, group, hidden, inter, top_k, device)
+    k = _kernel(name, mt, stages, warps, l2, ksum, group, hidden, inter, top_k, device)
     per_sm = occupancy(k, 32 * warps, shared_bytes({"mt": mt, "stages": stages}, warps))
     if per_sm < 1:
         raise ValueError(f"moe_wide: {name} with MT {mt}, {stages} stages, {warps} warps does not fit one SM")
@@ -100,19 +105,24 @@ def _grid(name: str, mt: int, stages: int, warps: int, group: int, hidden: int, 
 
 
 def resolve_tiles(tokens: int, top_k: int, w, tiles: dict | None = None) -> dict:
-    """The tile dict a call runs: tiles_for's, or `tiles` ({"mt"[, "stages", "warps", "w2_warps"]};
-    stages 4 and WARPS warps where not given, w2's warps as w13's)."""
+    """The tile dict a call runs: tiles_for's, or `tiles` ({"mt"[, "stages", "warps", "w2_warps",
+    "l2", "ksum"]}; stages 4, WARPS warps, w2's warps as w13's, l2 and ksum 0 where not given)."""
     t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
     t.setdefault("stages", 4)
     t.setdefault("warps", WARPS)
     t.setdefault("w2_warps", t["warps"])
-    if t["mt"] not in (1, 2, 4) or not 2 <= t["stages"] <= 8 or {t["warps"], t["w2_warps"]} - {4, 8}:
-        raise ValueError(f"moe_wide: mt must be 1, 2 or 4, stages 2..8 and warps 4 or 8, got {t}")
+    t.setdefault("l2", 0)
+    t.setdefault("ksum", 0)
+    if (t["mt"] not in (1, 2, 4) or not 2 <= t["stages"] <= 8 or {t["warps"], t["w2_warps"]} - {4, 8}
+            or t["l2"] not in (0, 1, 2) or t["ksum"] not in (0, 1)):
+        raise ValueError(f"moe_wide: mt must be 1, 2 or 4, stages 2..8, warps 4 or 8, l2 0..2 and ksum 0 or 1, "
+                         f"got {t}")
     return t
 
 
 def _launch(name: str, tiles: dict, warps: int, w, top_k: int, device: torch.device, args: list, mode: int) -> None:
-    key = (tiles["mt"], tiles["stages"], warps, w.group_size, w.hidden, w.inter, top_k, device)
+    key = (tiles["mt"], tiles["stages"], warps, tiles.get("l2", 0), tiles.get("ksum", 0), w.group_size, w.hidden,
+           w.inter, top_k, device)
     _kernel(name, *key)(_grid(name, *key), 32 * warps, shared_bytes(tiles, warps), args + [mode], pdl=mode > 0)
 
 
@@ -129,17 +139,23 @@ def wide_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict, pdl_mo
 
 def wide_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, tiles: dict,
             pdl_mode: int = 2) -> torch.Tensor:
-    """The w2 GEMM alone, top-k weights and the sum over k included: `wide_w13`'s output ->
-    bf16 `[T, H]`."""
+    """The w2 GEMM alone, top-k weights and the sum over k included (in its own launch where
+    tiles['ksum']): `wide_w13`'s output -> bf16 `[T, H]`."""
     sorted_ids, block_expert, block_rows, n_blocks = routing
     t, top_k = topk_weights.shape
     h, dev = w.hidden, act.device
     out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     ypart = torch.empty(t * top_k, h, dtype=torch.bfloat16, device=dev)   # each slot's weighted row
-    tickets = moe_marlin.tickets(dev, t * (h // (64 * tiles["w2_warps"])))
+    apart = tiles.get("ksum", 0)
+    tickets = None if apart else moe_marlin.tickets(dev, t * (h // (64 * tiles["w2_warps"])))
+    mode = pdl.on(act, pdl_mode)
     _launch("wide_w2", tiles, tiles["w2_warps"], w, top_k, dev,
             [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
-             topk_weights.reshape(-1).float().contiguous(), ypart, tickets, out], pdl.on(act, pdl_mode))
+             topk_weights.reshape(-1).float().contiguous(), ypart, tickets, out], mode)
+    if apart:
+        k = _kernel("wide_ksum", tiles["mt"], tiles["stages"], tiles["w2_warps"], tiles.get("l2", 0), 1,
+                    w.group_size, h, w.inter, top_k, dev)
+        k(-(-t * (h // 8) // 256), 256, 0, [ypart, out, t, mode], pdl=mode > 0)
     return out
 
 
