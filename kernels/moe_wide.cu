@@ -24,7 +24,8 @@
 // and 8 columns a thread, so a program sums 4 tokens at once; or (KAPART) by a third launch,
 // wide_ksum, in the same order and arithmetic (bitwise the same result).
 //
-// Compile-time: MT (16-row tiles a block), STAGES, WARPS, G (group), H, I, TOPK, L2P (L2 policy:
+// Compile-time: MT (16-row tiles a block), STAGES, WARPS, MINB (programs an SM the registers
+// are capped for), G (group), H, I, TOPK, L2P (L2 policy:
 // 0 none, 1 words and scales evict-first, 2 also w13's x rows evict-last), KAPART (0 / 1).
 #include "common.cuh"
 
@@ -283,7 +284,7 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
     cp_wait<0>();
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 wide_w13(const unsigned short* x, const unsigned* w, const unsigned short* s,   // x bf16 [T, H]; Marlin [E, H/16, 4I], [E, H/G, 2I]
          const int* sorted, const int* block_expert, const int* block_rows, const int* n_blocks,
          unsigned short* act,                                                     // bf16 [rows, I]
@@ -292,7 +293,7 @@ wide_w13(const unsigned short* x, const unsigned* w, const unsigned short* s,   
     wide<true>(x, w, s, sorted, block_expert, block_rows, n_blocks, nullptr, nullptr, nullptr, act, pdl);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 wide_w2(const unsigned short* act, const unsigned* w, const unsigned short* s,  // act bf16 [rows, I]; Marlin [E, I/16, 2H], [E, I/G, H]
         const int* sorted, const int* block_expert, const int* block_rows, const int* n_blocks,
         const float* topk_w,                                                      // fp32 [T*k]

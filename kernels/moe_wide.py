@@ -14,7 +14,8 @@ weight is (q - 8) * scale rounded to bf16 once (moe_marlin keeps q - 8 exact and
 product): relative error ~4e-3 against the fp32 reference (moe_marlin's ~3e-3).
 
 `tiles_for` picks MT by tokens per expert (TILES); `fits` says whether a call qualifies. Two
-tile keys that tables leave at 0 select measured alternatives: `l2` (1: the words and scales
+tile keys that tables leave at their defaults select measured alternatives: `minb` (programs an
+SM the registers are capped for, default 1: no cap), `l2` (1: the words and scales
 read with an L2 evict-first policy, 2: also w13's x rows evict-last) and `ksum` (1: w2 writes
 the weighted rows only and a third launch, `wide_ksum`, sums each token's k rows in the same
 order: bitwise the same result).
@@ -50,10 +51,12 @@ def shapes_ok(w) -> bool:
 
 def tile_name(tiles: dict) -> str:
     """The tile string result files record: 'mt4s4w8' (both launches 8 warps a program),
-    'mt4s4w8v4' (w13 8, w2 4), then 'e<l2>' for an L2 policy and 'k' for the k sum apart."""
+    'mt4s4w8v4' (w13 8, w2 4), then 'b<minb>' for a register cap, 'e<l2>' for an L2 policy and 'k'
+    for the k sum apart."""
     w2 = "" if tiles["w2_warps"] == tiles["warps"] else f"v{tiles['w2_warps']}"
+    minb = f"b{tiles['minb']}" if tiles.get("minb", 1) > 1 else ""
     l2 = f"e{tiles['l2']}" if tiles.get("l2") else ""
-    return "mt{mt}s{stages}w{warps}".format(**tiles) + w2 + l2 + ("k" if tiles.get("ksum") else "")
+    return "mt{mt}s{stages}w{warps}".format(**tiles) + w2 + minb + l2 + ("k" if tiles.get("ksum") else "")
 
 
 def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
@@ -85,19 +88,19 @@ def emulate_b_fragments(word: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the CUDA launches
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, mt: int, stages: int, warps: int, l2: int, ksum: int, group: int, hidden: int, inter: int,
-            top_k: int, device: torch.device):
+def _kernel(name: str, mt: int, stages: int, warps: int, minb: int, l2: int, ksum: int, group: int, hidden: int,
+            inter: int, top_k: int, device: torch.device):
     from ddbench.kernels.cuda import Kernel
-    return Kernel("moe_wide.cu", name, {"MT": mt, "STAGES": stages, "WARPS": warps, "L2P": l2, "KAPART": ksum,
-                                        "G": group, "H": hidden, "I": inter, "TOPK": top_k}, device)
+    return Kernel("moe_wide.cu", name, {"MT": mt, "STAGES": stages, "WARPS": warps, "MINB": minb, "L2P": l2,
+                                        "KAPART": ksum, "G": group, "H": hidden, "I": inter, "TOPK": top_k}, device)
 
 
 @functools.lru_cache(maxsize=None)
-def _grid(name: str, mt: int, stages: int, warps: int, l2: int, ksum: int, group: int, hidden: int, inter: int,
-          top_k: int, device: torch.device) -> int:
+def _grid(name: str, mt: int, stages: int, warps: int, minb: int, l2: int, ksum: int, group: int, hidden: int,
+          inter: int, top_k: int, device: torch.device) -> int:
     from ddbench.kernels.cuda import occupancy
 
-    k = _kernel(name, mt, stages, warps, l2, ksum, group, hidden, inter, top_k, device)
+    k = _kernel(name, mt, stages, warps, minb, l2, ksum, group, hidden, inter, top_k, device)
     per_sm = occupancy(k, 32 * warps, shared_bytes({"mt": mt, "stages": stages}, warps))
     if per_sm < 1:
         raise ValueError(f"moe_wide: {name} with MT {mt}, {stages} stages, {warps} warps does not fit one SM")
@@ -106,23 +109,25 @@ def _grid(name: str, mt: int, stages: int, warps: int, l2: int, ksum: int, group
 
 def resolve_tiles(tokens: int, top_k: int, w, tiles: dict | None = None) -> dict:
     """The tile dict a call runs: tiles_for's, or `tiles` ({"mt"[, "stages", "warps", "w2_warps",
-    "l2", "ksum"]}; stages 4, WARPS warps, w2's warps as w13's, l2 and ksum 0 where not given)."""
+    "minb", "l2", "ksum"]}; stages 4, WARPS warps, w2's warps as w13's, minb 1, l2 and ksum 0 where
+    not given)."""
     t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
     t.setdefault("stages", 4)
     t.setdefault("warps", WARPS)
     t.setdefault("w2_warps", t["warps"])
+    t.setdefault("minb", 1)
     t.setdefault("l2", 0)
     t.setdefault("ksum", 0)
     if (t["mt"] not in (1, 2, 4) or not 2 <= t["stages"] <= 8 or {t["warps"], t["w2_warps"]} - {4, 8}
-            or t["l2"] not in (0, 1, 2) or t["ksum"] not in (0, 1)):
-        raise ValueError(f"moe_wide: mt must be 1, 2 or 4, stages 2..8, warps 4 or 8, l2 0..2 and ksum 0 or 1, "
-                         f"got {t}")
+            or t["minb"] not in (1, 2, 3, 4) or t["l2"] not in (0, 1, 2) or t["ksum"] not in (0, 1)):
+        raise ValueError(f"moe_wide: mt must be 1, 2 or 4, stages 2..8, warps 4 or 8, minb 1..4, l2 0..2 and "
+                         f"ksum 0 or 1, got {t}")
     return t
 
 
 def _launch(name: str, tiles: dict, warps: int, w, top_k: int, device: torch.device, args: list, mode: int) -> None:
-    key = (tiles["mt"], tiles["stages"], warps, tiles.get("l2", 0), tiles.get("ksum", 0), w.group_size, w.hidden,
-           w.inter, top_k, device)
+    key = (tiles["mt"], tiles["stages"], warps, tiles.get("minb", 1), tiles.get("l2", 0), tiles.get("ksum", 0),
+           w.group_size, w.hidden, w.inter, top_k, device)
     _kernel(name, *key)(_grid(name, *key), 32 * warps, shared_bytes(tiles, warps), args + [mode], pdl=mode > 0)
 
 
@@ -153,8 +158,8 @@ def wide_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, ti
             [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
              topk_weights.reshape(-1).float().contiguous(), ypart, tickets, out], mode)
     if apart:
-        k = _kernel("wide_ksum", tiles["mt"], tiles["stages"], tiles["w2_warps"], tiles.get("l2", 0), 1,
-                    w.group_size, h, w.inter, top_k, dev)
+        k = _kernel("wide_ksum", tiles["mt"], tiles["stages"], tiles["w2_warps"], tiles.get("minb", 1),
+                    tiles.get("l2", 0), 1, w.group_size, h, w.inter, top_k, dev)
         k(-(-t * (h // 8) // 256), 256, 0, [ypart, out, t, mode], pdl=mode > 0)
     return out
 

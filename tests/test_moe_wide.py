@@ -33,13 +33,14 @@ def test_tiles_and_shapes():
     assert mw.tile_name({"mt": 4, "stages": 3, "warps": 8, "w2_warps": 4}) == "mt4s3w8v4"
     assert mw.tile_name({"mt": 4, "stages": 4, "warps": 4, "w2_warps": 4, "l2": 2, "ksum": 1}) == "mt4s4w4e2k"
     assert mw.tile_name({"mt": 4, "stages": 4, "warps": 4, "w2_warps": 4, "l2": 0, "ksum": 1}) == "mt4s4w4k"
+    assert mw.tile_name({"mt": 2, "stages": 4, "warps": 4, "w2_warps": 4, "minb": 4, "l2": 1}) == "mt2s4w4b4e1"
     shard = random_marlin_moe(4, 7168, 256, 32, top_k=2, chunk=4)
     assert mw.shapes_ok(shard)
     assert not mw.shapes_ok(random_marlin_moe(4, 7168, 128, 32, top_k=2, chunk=4))   # I not a multiple of 256
     assert mw.resolve_tiles(64, 8, shard, {"mt": 2, "warps": 4}) == {"mt": 2, "stages": 4, "warps": 4, "w2_warps": 4,
-                                                                       "l2": 0, "ksum": 0}
+                                                                       "minb": 1, "l2": 0, "ksum": 0}
     for bad in ({"mt": 3}, {"mt": 2, "warps": 6}, {"mt": 2, "w2_warps": 2}, {"mt": 2, "stages": 9}, {"mt": 2, "l2": 3},
-                {"mt": 2, "ksum": 2}):
+                {"mt": 2, "ksum": 2}, {"mt": 2, "minb": 5}):
         with pytest.raises(ValueError):
             mw.resolve_tiles(64, 8, shard, bad)
 
@@ -89,15 +90,17 @@ def test_wide_tiles_and_graph_replay(k26, mt, stages, warps, w2_warps):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("l2,ksum", [(1, 0), (2, 0), (0, 1), (2, 1)])
-def test_wide_l2_policy_and_ksum_apart_change_nothing(k26, l2, ksum):
-    """The L2 policies and the k sum in its own launch give bitwise the default's result, eager
-    and in a replayed graph (the k sum runs in the same order and arithmetic)."""
-    x, ids, tw = _case("uniform", 1500, k26, seed=10 * l2 + ksum)
-    base = mw.resolve_tiles(1500, 8, k26, {"mt": 4, "warps": 4})
+@pytest.mark.parametrize("mt,minb,l2,ksum", [(4, 1, 1, 0), (4, 1, 2, 0), (4, 1, 0, 1), (4, 1, 2, 1), (2, 4, 0, 0),
+                                             (4, 3, 0, 0)])
+def test_wide_options_change_nothing(k26, mt, minb, l2, ksum):
+    """The register caps, the L2 policies and the k sum in its own launch give bitwise the
+    default's result, eager and in a replayed graph (the k sum runs in the same order and
+    arithmetic)."""
+    x, ids, tw = _case("uniform", 1500, k26, seed=100 * minb + 10 * l2 + ksum)
+    base = mw.resolve_tiles(1500, 8, k26, {"mt": mt, "warps": 4})
     want = mw.fused_moe_wide(x, ids, tw, k26, base)
     assert _err(want, fused_moe_ref(x.float(), ids, tw, k26).float()) <= 1e-2
-    tiles = dict(base, l2=l2, ksum=ksum)
+    tiles = dict(base, minb=minb, l2=l2, ksum=ksum)
     assert torch.equal(mw.fused_moe_wide(x, ids, tw, k26, tiles), want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
