@@ -16,7 +16,7 @@
 //       splits of every unit in split order into the act rows, SiLU(gate) * up * top-k weight
 //       (fp16, in shared memory), warp j multiplies assignment j, and out bf16 [H] gets the sum
 //       over the assignments in their order, or (out null) y fp32 [n, H] each row. The last w2
-//       program past the wait resets the counters.
+//       program to finish resets the counters.
 //
 // Marlin words (DESIGN §4): lane 4g + t of a warp takes the 16-byte vector lane of each
 // 64-column Marlin block of a k-tile row; its word `tile` holds K rows 16kt + 2t, +1, +8, +9 of
@@ -188,7 +188,7 @@ decode_moe(const unsigned short* x, int x_bf16,                   // [H]: bf16 (
            const unsigned* w13, const unsigned short* s13,        // Marlin [E, H/16, 4I], scales [E, H/G, 2I]
            const unsigned* w2, const unsigned short* s2,          // Marlin [E, I/16, 2H], scales [E, I/G, H]
            float* part,                                           // fp32 [n P13, KS, 128]: w13 splits' sums
-           int* counters,                                         // [2], zero: w13 programs done, w2 programs past the wait
+           int* counters,                                         // [2], zero: w13 programs done, w2 programs finished
            float* y, unsigned short* out,                         // y fp32 [n, H] (out null) or out bf16 [H]
            int pdl)
 {
@@ -221,13 +221,8 @@ decode_moe(const unsigned short* x, int x_bf16,                   // [H]: bf16 (
         if (threadIdx.x == 0) atomicAdd(done, 1);
     }
     if (!has2) return;
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0)
         while (ld_acquire(done) < units * KS) __nanosleep(64);
-        if (atomicAdd(done + 1, 1) == H / 64 - 1) {               // the last w2 program past the wait
-            *done = 0;
-            done[1] = 0;
-        }
-    }
     __syncthreads();
     for (int i = threadIdx.x; i < n * I / 4; i += THREADS) {      // 4 act columns a step: sum the splits in order
         const int unit = i / 16, c = 4 * (i % 16), j = unit / P13;
@@ -247,4 +242,10 @@ decode_moe(const unsigned short* x, int x_bf16,                   // [H]: bf16 (
     cp_wait<0>();
     __syncthreads();
     w2_columns(words, sh, n, pid, y, out);
+    // counted at the end, off the path from the wait to the output: the last w2 program to count
+    // has seen every w13 program done and no program still polls, so it resets the counters
+    if (threadIdx.x == 0 && atomicAdd(done + 1, 1) == H / 64 - 1) {
+        *done = 0;
+        done[1] = 0;
+    }
 }
