@@ -76,15 +76,6 @@ __device__ __forceinline__ unsigned long long evict_first() {   // L2 policy: we
 __device__ __forceinline__ void cp16_ef(unsigned dst, const void* src, unsigned long long pol) {   // cp_async16, evict-first
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "l"(pol) : "memory");
 }
-__device__ __forceinline__ unsigned long long evict_last() {    // L2 policy: data read again soon
-    unsigned long long p;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
-__device__ __forceinline__ void cp16z_hint(unsigned dst, const void* src, bool valid, unsigned long long pol) {   // cp16z, L2 policy pol
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
-                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0), "l"(pol) : "memory");
-}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }

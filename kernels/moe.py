@@ -64,7 +64,7 @@ KERNELS = ("auto", "decode", "marlin", "wide", "triton", "gemv", "torch")
 # (kernels.moe_wide) where that fits; elsewhere the Triton default (moe_triton.TILE_TABLE: the
 # CUDA-core gemv at one token). Measured crossovers: docs/notes/moe.md.
 MARLIN_MIN_TOKENS = 2
-WIDE_MIN_PER_EXPERT = 16.0
+WIDE_MIN_PER_EXPERT = 12.0
 
 
 def resolve_moe_kernel(tokens: int, top_k: int, w: MarlinMoE, device, kernel: str = "auto", *,

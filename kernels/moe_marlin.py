@@ -30,18 +30,21 @@ MAXE = 1024            # experts the planning program takes (one thread each)
 VECTOR = 16            # bytes of one cp.async copy; a stage is counted in these
 MAX_SPLITS = 32
 # (max tokens per expert T*k/E, NG 8-token groups an item, STAGES, WARPS a program, W2B w2's
-# 64-column Marlin blocks an item); first match.
+# 64-column Marlin blocks an item, SPLITS); first match.
 # H200, K2.6 TP-8 shard, uniform, CUDA graphs (scripts/gpu/moe_marlin_check.py, whole layer, us,
 # NG 1/2/4): T=64 338/374/658, T=128 436/429/780, T=512 755/670/959, T=2048 2372/1829/1988,
 # T=4096 4468/3367/3379; w2b 1/2/4 at NG 1: T=2 32.4/33.8/37.2, T=8 69.4/71.8/75.6, T=64
 # 340.5/335.2/351.9 (moe_marlin_check_w2_blocks.csv). Stages 4/5 at NG 2 (H100, after the
 # ldmatrix stage layout): T=16 144.2/141.8, T=64 362.8/364.0, T=128 460.8/431.8, T=256
-# 521.3/494.7, T=512 615.3/644.5.
-TILES: list[tuple[float, int, int, int, int]] = [
-    (0.17, 1, 4, 4, 1),
-    (2.0, 1, 4, 4, 2),
-    (8.0, 2, 5, 4, 2),
-    (float("inf"), 2, 4, 4, 2),
+# 521.3/494.7, T=512 615.3/644.5. SPLITS: w13's K splits, 0 = work_split's count; 1 vs 2 at NG 2,
+# 4 stages (H100, 2026-12-07, experiments/results/moe_crossover_check_h100_20261207-1516.csv,
+# moe_marlin_check_h100_20261207-1514_splits.csv): T=384 570.3/555.2, 448 594.2/573.1, 512
+# 619.8/598.1 (3 and 4 splits slower: 629.7, 656.5), 576 653.4/664.2; T=256 at 5 stages 495.9/516.2.
+TILES: list[tuple[float, int, int, int, int, int]] = [
+    (0.17, 1, 4, 4, 1, 0),
+    (2.0, 1, 4, 4, 2, 0),
+    (8.0, 2, 5, 4, 2, 0),
+    (float("inf"), 2, 4, 4, 2, 2),
 ]
 
 
@@ -65,10 +68,11 @@ def tile_name(tiles: dict) -> str:
 
 
 def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
-    """{"ng", "stages", "warps", "w2b"} of the first TILES row whose bound holds T*k/E."""
+    """{"ng", "stages", "warps", "w2b"[, "splits"]} of the first TILES row whose bound holds T*k/E
+    ("splits" where the row names a count; resolve_tiles fills in work_split's otherwise)."""
     per_expert = tokens * top_k / n_experts
-    _, ng, stages, warps, w2b = next(r for r in (table or TILES) if per_expert <= r[0])
-    return {"ng": ng, "stages": stages, "warps": warps, "w2b": w2b}
+    _, ng, stages, warps, w2b, splits = next(r for r in (table or TILES) if per_expert <= r[0])
+    return {"ng": ng, "stages": stages, "warps": warps, "w2b": w2b} | ({"splits": splits} if splits else {})
 
 
 def shared_bytes(tiles: dict, kernel: str = "moe_w13") -> int:

@@ -2,9 +2,10 @@
 // operand (ldmatrix from shared memory), the Marlin words as its 8-column B operand, so one
 // dequantized word feeds 2 MT mma.m16n8k16 (MT 16-token tiles) instead of moe_marlin's 2.
 //
-// Two launches after moe_marlin's planning (moe_plan with blocks of CH = 16 MT rows):
+// Three launches after moe_marlin's planning (moe_plan with blocks of CH = 16 MT rows):
 //   wide_w13  x [T, H] -> act [rows, I] bf16 (sorted rows): SiLU(gate) * up;
-//   wide_w2   act -> out [T, H] bf16: each row times its top-k weight, summed over the k slots.
+//   wide_w2   act -> ypart [T*k, H] bf16: each row times its top-k weight;
+//   wide_ksum ypart -> out [T, H] bf16: each token's k rows summed in slot order.
 // A program of WARPS warps takes items i = program, program + grid, ...: w13 (block, chunk of
 // 32 WARPS gate and as many up columns; warp w the 16-column tiles 2(w%2), 2(w%2)+1 of gate
 // Marlin block w/2 of the chunk and the same of up), w2 (block, chunk of 64 WARPS output
@@ -19,14 +20,12 @@
 // (2, 6), (3, 7) that of columns 8-15. LOP3 (0x43004300) and one bf16x2 subtract give q - 8
 // exactly, one bf16x2 multiply by the column's scale (rounded to bf16 once) the weight.
 //
-// Determinism: no K split; w2's weighted rows (bf16) are summed in fp32 in slot order by the
-// last of a token's k items (atomic ticket, reset by that last user), 8 WARPS threads a token
-// and 8 columns a thread, so a program sums 4 tokens at once; or (KAPART) by a third launch,
-// wide_ksum, in the same order and arithmetic (bitwise the same result).
+// Determinism: no K split, no atomics; the weighted rows (bf16) are summed in fp32 in slot
+// order. The k sum is its own launch: fused into w2's epilogue (the last of a token's k items
+// summing, by an atomic ticket) it cost 5-25 % more at T = 1024-4096 (docs/notes/moe.md).
 //
 // Compile-time: MT (16-row tiles a block), STAGES, WARPS, MINB (programs an SM the registers
-// are capped for), G (group), H, I, TOPK, L2P (L2 policy:
-// 0 none, 1 words and scales evict-first, 2 also w13's x rows evict-last), KAPART (0 / 1).
+// are capped for), G (group), H, I, TOPK.
 #include "common.cuh"
 
 #define CH (16 * MT)
@@ -37,7 +36,6 @@
 #define WV (NB * 64)              // words: NB blocks x 2 k-tiles x 32 lanes
 #define SV (NB * 8)               // scales: NB blocks x 64 bf16
 #define STAGE_V (XV + WV + SV)
-#define SUMT (8 * NB)             // w2's k sum: threads a token, 8 of the item's 64 NB columns each
 
 static_assert(SV <= THREADS && WV % THREADS == 0, "one scale vector a thread at most, whole word vectors a thread");
 static_assert(MT == 1 || MT == 2 || MT == 4, "MT is 1, 2 or 4");
@@ -116,37 +114,17 @@ __device__ __forceinline__ void stage_mma(float (&acc)[MT][4][2][4], const uint4
     }
 }
 
-// out[tok, col..col+7] = the sum of the token's k weighted rows in slot order (fp32), bf16
-__device__ __forceinline__ void ksum8(const unsigned short* ypart, unsigned short* out, int tok, int col) {
-    uint4 v[TOPK];
-#pragma unroll
-    for (int j = 0; j < TOPK; j++) v[j] = ld_v4(ypart + (long)(tok * TOPK + j) * H + col);
-    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < TOPK; j++) {
-        const unsigned u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            sum[2 * p] += bf16_lo(u[p]);
-            sum[2 * p + 1] += bf16_hi(u[p]);
-        }
-    }
-    *(uint4*)(out + (long)tok * H + col) =
-        make_uint4(bf16x2(sum[0], sum[1]), bf16x2(sum[2], sum[3]), bf16x2(sum[4], sum[5]), bf16x2(sum[6], sum[7]));
-}
-
 template <bool W13>
 __device__ __forceinline__ void wide(const unsigned short* xin,                 // w13: x [T, H]; w2: act [rows, I]
                                      const unsigned* w, const unsigned short* s,
                                      const int* sorted, const int* block_expert, const int* block_rows, const int* n_blocks,
-                                     const float* topk_w, unsigned short* ypart, int* tickets,
-                                     unsigned short* out,                    // w13: act; w2: [T, H]
+                                     const float* topk_w,
+                                     unsigned short* out,                    // w13: act; w2: ypart [T*k, H]
                                      int pdl)
 {
     constexpr int K = W13 ? H : I, N = W13 ? 2 * I : H, NST = K / 32;
     constexpr int CHUNKS = W13 ? I / (32 * WARPS) : H / (64 * WARPS);
     extern __shared__ uint4 smem[];
-    __shared__ int last_tok[CH], n_last;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     // Marlin block of item block j (0..NB-1) in chunk c
     auto nb_of = [](int j, int c) { return W13 ? (j < NB / 2 ? c * NB / 2 + j : I / 64 + c * NB / 2 + j - NB / 2) : c * NB + j; };
@@ -157,7 +135,6 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
     const uint4* xsrc[XI];                                  // issue state: this thread's sources of the item
     const uint4* wsrc[WV / THREADS];
     const uint4* ssrc = nullptr;
-    const unsigned long long wpol = evict_first(), xpol = evict_last();
     auto issue = [&](int q) {
         if (q < q_end) {
             const int st = q % NST;
@@ -185,21 +162,11 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
 #pragma unroll
             for (int i = 0; i < XI; i++) {
                 const int v = tid + i * THREADS;
-                if (v >= XV) continue;
-                const unsigned dst = smem_addr(slot) + xoff(v / 4, v % 4);
-                const uint4* src = xsrc[i] ? xsrc[i] + 4 * st : (const uint4*)xin;
-                if (W13 && L2P >= 2) cp16z_hint(dst, src, xsrc[i] != nullptr, xpol);
-                else cp16z(dst, src, xsrc[i] != nullptr);
+                if (v < XV) cp16z(smem_addr(slot) + xoff(v / 4, v % 4), xsrc[i] ? xsrc[i] + 4 * st : (const uint4*)xin, xsrc[i] != nullptr);
             }
 #pragma unroll
-            for (int i = 0; i < WV / THREADS; i++) {
-                if (L2P >= 1) cp16_ef(smem_addr(slot + XV + tid + i * THREADS), wsrc[i] + (long)st * N, wpol);
-                else cp_async16(smem_addr(slot + XV + tid + i * THREADS), wsrc[i] + (long)st * N);
-            }
-            if (tid < SV) {
-                if (L2P >= 1) cp16_ef(smem_addr(slot + XV + WV + tid), ssrc + (long)(st * 32 / G) * (N / 8), wpol);
-                else cp_async16(smem_addr(slot + XV + WV + tid), ssrc + (long)(st * 32 / G) * (N / 8));
-            }
+            for (int i = 0; i < WV / THREADS; i++) cp_async16(smem_addr(slot + XV + tid + i * THREADS), wsrc[i] + (long)st * N);
+            if (tid < SV) cp_async16(smem_addr(slot + XV + WV + tid), ssrc + (long)(st * 32 / G) * (N / 8));
         }
         cp_commit();
     };
@@ -250,7 +217,7 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
                 } else {
                     const int asg = sorted[blk * CH + r];
                     const float wt = topk_w[asg];
-                    unsigned short* dst = ypart + (long)asg * H + (c * NB + warp) * 64 + 2 * t;
+                    unsigned short* dst = out + (long)asg * H + (c * NB + warp) * 64 + 2 * t;
 #pragma unroll
                     for (int f = 0; f < 4; f++)
 #pragma unroll
@@ -258,27 +225,6 @@ __device__ __forceinline__ void wide(const unsigned short* xin,                 
                             *(unsigned*)(dst + 16 * f + 8 * n) = bf16x2(acc[m][f][n][2 * hf] * wt, acc[m][f][n][2 * hf + 1] * wt);
                 }
             }
-        if constexpr (!W13 && !KAPART) {                    // w2: the sum over the k slots
-            if (tid == 0) n_last = 0;
-            __threadfence();
-            __syncthreads();
-            if (tid < rows) {
-                const int tok = sorted[blk * CH + tid] / TOPK;
-                int* tk = tickets + tok * CHUNKS + c;
-                if (atomicAdd(tk, 1) == TOPK - 1) {
-                    *tk = 0;
-                    last_tok[atomicAdd(&n_last, 1)] = tok;      // any order: one thread group sums a token
-                }
-            }
-            __syncthreads();
-            __threadfence();
-            // the tokens whose k rows are all written: SUMT threads a token (8 columns each), 4 at a time
-            const int col = c * 64 * NB + 8 * (tid % SUMT);
-            for (int i = tid / SUMT; i < n_last; i += THREADS / SUMT) {
-                const int tok = last_tok[i];
-                ksum8(ypart, out, tok, col);
-            }
-        }
         zero(acc);
     }
     cp_wait<0>();
@@ -290,26 +236,40 @@ wide_w13(const unsigned short* x, const unsigned* w, const unsigned short* s,   
          unsigned short* act,                                                     // bf16 [rows, I]
          int pdl)
 {
-    wide<true>(x, w, s, sorted, block_expert, block_rows, n_blocks, nullptr, nullptr, nullptr, act, pdl);
+    wide<true>(x, w, s, sorted, block_expert, block_rows, n_blocks, nullptr, act, pdl);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 wide_w2(const unsigned short* act, const unsigned* w, const unsigned short* s,  // act bf16 [rows, I]; Marlin [E, I/16, 2H], [E, I/G, H]
         const int* sorted, const int* block_expert, const int* block_rows, const int* n_blocks,
         const float* topk_w,                                                      // fp32 [T*k]
-        unsigned short* ypart,                                                    // bf16 [T*k, H]
-        int* tickets,                                                             // [T, H / (64 WARPS)], zero
-        unsigned short* out,                                                      // bf16 [T, H]
+        unsigned short* ypart,                                                    // bf16 [T*k, H]: each slot's weighted row
         int pdl)
 {
-    wide<false>(act, w, s, sorted, block_expert, block_rows, n_blocks, topk_w, ypart, tickets, out, pdl);
+    wide<false>(act, w, s, sorted, block_expert, block_rows, n_blocks, topk_w, ypart, pdl);
 }
 
-// KAPART: the sum over the k slots after wide_w2, 8 columns a thread, H / 8 threads a token
+// the sum over the k slots after wide_w2: 8 columns a thread, H / 8 threads a token, fp32 in slot order
 extern "C" __global__ void __launch_bounds__(256)
 wide_ksum(const unsigned short* ypart, unsigned short* out, int tokens, int pdl)   // ypart bf16 [T*k, H] -> out [T, H]
 {
     pdl_enter(pdl);
     const long i = (long)blockIdx.x * 256 + threadIdx.x;
-    if (i < (long)tokens * (H / 8)) ksum8(ypart, out, (int)(i / (H / 8)), (int)(i % (H / 8)) * 8);
+    if (i >= (long)tokens * (H / 8)) return;
+    const int tok = (int)(i / (H / 8)), col = (int)(i % (H / 8)) * 8;
+    uint4 v[TOPK];
+#pragma unroll
+    for (int j = 0; j < TOPK; j++) v[j] = ld_v4(ypart + (long)(tok * TOPK + j) * H + col);
+    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < TOPK; j++) {
+        const unsigned u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            sum[2 * p] += bf16_lo(u[p]);
+            sum[2 * p + 1] += bf16_hi(u[p]);
+        }
+    }
+    *(uint4*)(out + (long)tok * H + col) =
+        make_uint4(bf16x2(sum[0], sum[1]), bf16x2(sum[2], sum[3]), bf16x2(sum[4], sum[5]), bf16x2(sum[6], sum[7]));
 }

@@ -4,21 +4,18 @@
 `moe_marlin` (weights as A, at most 16 tokens an item) feeds 2: the large-T path.
 
 `fused_moe_wide(x, topk_ids, topk_weights, w)` computes what `kernels.moe.fused_moe_ref`
-computes in three launches and no host syncs (CUDA-graph safe): `moe_marlin.plan` with blocks
+computes in four launches and no host syncs (CUDA-graph safe): `moe_marlin.plan` with blocks
 of 16*MT rows, then `wide_w13` (one item a (block, 32*warps gate + up columns), SiLU(gate) * up
-in the epilogue) and `wide_w2` (one item a (block, 64*warps output columns); each row times
-its top-k weight, and the last of a token's k items sums its k rows in slot order). A program
-of 4 or 8 warps (each launch its own count: TILES; 4 for both, measured) streams its block's
-rows, words and scales a 32-row K stage at a time through one shared ring; no K split. The
-weight is (q - 8) * scale rounded to bf16 once (moe_marlin keeps q - 8 exact and scales the fp32
-product): relative error ~4e-3 against the fp32 reference (moe_marlin's ~3e-3).
+in the epilogue), `wide_w2` (one item a (block, 64*warps output columns); each row times its
+top-k weight, written to its slot's row) and `wide_ksum` (each token's k rows summed in slot
+order). A program of 4 or 8 warps (each launch its own count: TILES; 4 for both, measured)
+streams its block's rows, words and scales a 32-row K stage at a time through one shared ring;
+no K split. The weight is (q - 8) * scale rounded to bf16 once (moe_marlin keeps q - 8 exact and
+scales the fp32 product): relative error ~4e-3 against the fp32 reference (moe_marlin's ~3e-3).
 
-`tiles_for` picks MT by tokens per expert (TILES); `fits` says whether a call qualifies. Two
-tile keys that tables leave at their defaults select measured alternatives: `minb` (programs an
-SM the registers are capped for, default 1: no cap), `l2` (1: the words and scales
-read with an L2 evict-first policy, 2: also w13's x rows evict-last) and `ksum` (1: w2 writes
-the weighted rows only and a third launch, `wide_ksum`, sums each token's k rows in the same
-order: bitwise the same result).
+`tiles_for` picks MT, stages, warps and `minb` (the programs an SM the registers are capped
+for: MT 2 at 4 takes 128 registers, so 16 warps an SM) by tokens per expert (TILES); `fits`
+says whether a call qualifies.
 """
 from __future__ import annotations
 
@@ -29,10 +26,15 @@ import torch
 from ddbench.kernels import moe_marlin, pdl
 
 WARPS = 8                 # the most warps a program (shapes_ok's bound); 4 or 8
-# (max tokens per expert T*k/E, MT 16-row tiles a block, STAGES, w13's warps a program, w2's); first match
-TILES: list[tuple[float, int, int, int, int]] = [
-    (32.0, 2, 4, 4, 4),
-    (float("inf"), 4, 4, 4, 4),
+# (max tokens per expert T*k/E, MT 16-row tiles a block, STAGES, w13's warps a program, w2's,
+# MINB); first match. H100, 2026-12-07, whole layer us (scripts/gpu/moe_marlin_check.py;
+# experiments/results/moe_wide_check_h100_20261207-1514_ksum_minb_l2.csv, -1515_ksum_l2.csv),
+# MT 2 / MT 2 MINB 4 / MT 4, 4 warps: T=1024 748.6 / 768.3 / 885.4, 2048 1443.2 / 1361.1 / 1207.1,
+# 4096 2360.7 / 2258.6 / 2372.9 (second run 2241.8 for MT 2 MINB 4).
+TILES: list[tuple[float, int, int, int, int, int]] = [
+    (32.0, 2, 4, 4, 4, 1),
+    (64.0, 4, 4, 4, 4, 1),
+    (float("inf"), 2, 4, 4, 4, 4),
 ]
 
 
@@ -51,19 +53,17 @@ def shapes_ok(w) -> bool:
 
 def tile_name(tiles: dict) -> str:
     """The tile string result files record: 'mt4s4w8' (both launches 8 warps a program),
-    'mt4s4w8v4' (w13 8, w2 4), then 'b<minb>' for a register cap, 'e<l2>' for an L2 policy and 'k'
-    for the k sum apart."""
+    'mt4s4w8v4' (w13 8, w2 4), 'mt2s4w4b4' (registers capped for 4 programs an SM)."""
     w2 = "" if tiles["w2_warps"] == tiles["warps"] else f"v{tiles['w2_warps']}"
     minb = f"b{tiles['minb']}" if tiles.get("minb", 1) > 1 else ""
-    l2 = f"e{tiles['l2']}" if tiles.get("l2") else ""
-    return "mt{mt}s{stages}w{warps}".format(**tiles) + w2 + minb + l2 + ("k" if tiles.get("ksum") else "")
+    return "mt{mt}s{stages}w{warps}".format(**tiles) + w2 + minb
 
 
 def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
-    """{"mt", "stages", "warps", "w2_warps"} of the first TILES row whose bound holds T*k/E."""
+    """{"mt", "stages", "warps", "w2_warps", "minb"} of the first TILES row whose bound holds T*k/E."""
     per_expert = tokens * top_k / n_experts
-    _, mt, stages, warps, w2_warps = next(r for r in (table or TILES) if per_expert <= r[0])
-    return {"mt": mt, "stages": stages, "warps": warps, "w2_warps": w2_warps}
+    _, mt, stages, warps, w2_warps, minb = next(r for r in (table or TILES) if per_expert <= r[0])
+    return {"mt": mt, "stages": stages, "warps": warps, "w2_warps": w2_warps, "minb": minb}
 
 
 def shared_bytes(tiles: dict, warps: int | None = None) -> int:
@@ -88,19 +88,19 @@ def emulate_b_fragments(word: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the CUDA launches
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, mt: int, stages: int, warps: int, minb: int, l2: int, ksum: int, group: int, hidden: int,
-            inter: int, top_k: int, device: torch.device):
+def _kernel(name: str, mt: int, stages: int, warps: int, minb: int, group: int, hidden: int, inter: int, top_k: int,
+            device: torch.device):
     from ddbench.kernels.cuda import Kernel
-    return Kernel("moe_wide.cu", name, {"MT": mt, "STAGES": stages, "WARPS": warps, "MINB": minb, "L2P": l2,
-                                        "KAPART": ksum, "G": group, "H": hidden, "I": inter, "TOPK": top_k}, device)
+    return Kernel("moe_wide.cu", name, {"MT": mt, "STAGES": stages, "WARPS": warps, "MINB": minb, "G": group,
+                                        "H": hidden, "I": inter, "TOPK": top_k}, device)
 
 
 @functools.lru_cache(maxsize=None)
-def _grid(name: str, mt: int, stages: int, warps: int, minb: int, l2: int, ksum: int, group: int, hidden: int,
-          inter: int, top_k: int, device: torch.device) -> int:
+def _grid(name: str, mt: int, stages: int, warps: int, minb: int, group: int, hidden: int, inter: int, top_k: int,
+          device: torch.device) -> int:
     from ddbench.kernels.cuda import occupancy
 
-    k = _kernel(name, mt, stages, warps, minb, l2, ksum, group, hidden, inter, top_k, device)
+    k = _kernel(name, mt, stages, warps, minb, group, hidden, inter, top_k, device)
     per_sm = occupancy(k, 32 * warps, shared_bytes({"mt": mt, "stages": stages}, warps))
     if per_sm < 1:
         raise ValueError(f"moe_wide: {name} with MT {mt}, {stages} stages, {warps} warps does not fit one SM")
@@ -109,25 +109,20 @@ def _grid(name: str, mt: int, stages: int, warps: int, minb: int, l2: int, ksum:
 
 def resolve_tiles(tokens: int, top_k: int, w, tiles: dict | None = None) -> dict:
     """The tile dict a call runs: tiles_for's, or `tiles` ({"mt"[, "stages", "warps", "w2_warps",
-    "minb", "l2", "ksum"]}; stages 4, WARPS warps, w2's warps as w13's, minb 1, l2 and ksum 0 where
-    not given)."""
+    "minb"]}; stages 4, WARPS warps, w2's warps as w13's, minb 1 where not given)."""
     t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
     t.setdefault("stages", 4)
     t.setdefault("warps", WARPS)
     t.setdefault("w2_warps", t["warps"])
     t.setdefault("minb", 1)
-    t.setdefault("l2", 0)
-    t.setdefault("ksum", 0)
     if (t["mt"] not in (1, 2, 4) or not 2 <= t["stages"] <= 8 or {t["warps"], t["w2_warps"]} - {4, 8}
-            or t["minb"] not in (1, 2, 3, 4) or t["l2"] not in (0, 1, 2) or t["ksum"] not in (0, 1)):
-        raise ValueError(f"moe_wide: mt must be 1, 2 or 4, stages 2..8, warps 4 or 8, minb 1..4, l2 0..2 and "
-                         f"ksum 0 or 1, got {t}")
+            or t["minb"] not in (1, 2, 3, 4)):
+        raise ValueError(f"moe_wide: mt must be 1, 2 or 4, stages 2..8, warps 4 or 8 and minb 1..4, got {t}")
     return t
 
 
 def _launch(name: str, tiles: dict, warps: int, w, top_k: int, device: torch.device, args: list, mode: int) -> None:
-    key = (tiles["mt"], tiles["stages"], warps, tiles.get("minb", 1), tiles.get("l2", 0), tiles.get("ksum", 0),
-           w.group_size, w.hidden, w.inter, top_k, device)
+    key = (tiles["mt"], tiles["stages"], warps, tiles["minb"], w.group_size, w.hidden, w.inter, top_k, device)
     _kernel(name, *key)(_grid(name, *key), 32 * warps, shared_bytes(tiles, warps), args + [mode], pdl=mode > 0)
 
 
@@ -144,23 +139,20 @@ def wide_w13(x: torch.Tensor, routing: tuple, top_k: int, w, tiles: dict, pdl_mo
 
 def wide_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, tiles: dict,
             pdl_mode: int = 2) -> torch.Tensor:
-    """The w2 GEMM alone, top-k weights and the sum over k included (in its own launch where
-    tiles['ksum']): `wide_w13`'s output -> bf16 `[T, H]`."""
+    """The w2 GEMM alone, top-k weights and the sum over k (its own launch) included:
+    `wide_w13`'s output -> bf16 `[T, H]`."""
     sorted_ids, block_expert, block_rows, n_blocks = routing
     t, top_k = topk_weights.shape
     h, dev = w.hidden, act.device
     out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     ypart = torch.empty(t * top_k, h, dtype=torch.bfloat16, device=dev)   # each slot's weighted row
-    apart = tiles.get("ksum", 0)
-    tickets = None if apart else moe_marlin.tickets(dev, t * (h // (64 * tiles["w2_warps"])))
     mode = pdl.on(act, pdl_mode)
     _launch("wide_w2", tiles, tiles["w2_warps"], w, top_k, dev,
             [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
-             topk_weights.reshape(-1).float().contiguous(), ypart, tickets, out], mode)
-    if apart:
-        k = _kernel("wide_ksum", tiles["mt"], tiles["stages"], tiles["w2_warps"], tiles.get("minb", 1),
-                    tiles.get("l2", 0), 1, w.group_size, h, w.inter, top_k, dev)
-        k(-(-t * (h // 8) // 256), 256, 0, [ypart, out, t, mode], pdl=mode > 0)
+             topk_weights.reshape(-1).float().contiguous(), ypart], mode)
+    ksum = _kernel("wide_ksum", tiles["mt"], tiles["stages"], tiles["w2_warps"], tiles["minb"], w.group_size, h,
+                   w.inter, top_k, dev)
+    ksum(-(-t * (h // 8) // 256), 256, 0, [ypart, out, t, mode], pdl=mode > 0)
     return out
 
 

@@ -52,7 +52,7 @@ def decode() -> None:
 
 
 def wide(tokens: list[int]) -> None:
-    """moe_wide (kernels/moe_wide.cu) at its default tiles: kernels (plan, wide_w13, wide_w2) per T."""
+    """moe_wide (kernels/moe_wide.cu) at its default tiles: kernels (plan, wide_w13, wide_w2, wide_ksum) per T."""
     from ddbench.kernels import moe_wide as mw
 
     dev = torch.device("cuda")

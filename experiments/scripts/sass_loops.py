@@ -153,10 +153,10 @@ def mma_blocks(ins: list[tuple[int, str, str]], lp: dict) -> list[tuple[int, int
 
 
 @functools.lru_cache(maxsize=None)
-def wide_sass(mt: int, stages: int, warps: int) -> dict[str, list[tuple[int, str, str]]]:
+def wide_sass(mt: int, stages: int, warps: int, minb: int = 1) -> dict[str, list[tuple[int, str, str]]]:
     """moe_wide.cu's functions, parsed, at these tiles and DEFINES' shape (one nvcc run a tile)."""
     shape = {k: DEFINES[k] for k in ("G", "H", "I", "TOPK")}
-    return parse(sass("moe_wide.cu", {"MT": mt, "STAGES": stages, "WARPS": warps, **shape}))
+    return parse(sass("moe_wide.cu", {"MT": mt, "STAGES": stages, "WARPS": warps, "MINB": minb, **shape}))
 
 
 def wide_bound(tokens: list[int], gemm_tflops: float = 805.0, seed: int = 0) -> list[dict]:
@@ -180,7 +180,7 @@ def wide_bound(tokens: list[int], gemm_tflops: float = 805.0, seed: int = 0) -> 
         for name, warps, n, cols, stages in (("wide_w13", tiles["warps"], I, 32, H // 32),
                                              ("wide_w2", tiles["w2_warps"], H, 64, I // 32)):
             chunks = n // (cols * warps)
-            funcs = wide_sass(mt, tiles["stages"], warps)
+            funcs = wide_sass(mt, tiles["stages"], warps, tiles["minb"])
             lp = next(lp for lp in mma_loops(funcs[name]) if lp["inner"])
             instr, hmma = max(mma_blocks(funcs[name], lp), key=lambda b: b[1])
             warp_stages = n_blocks * chunks * stages * warps

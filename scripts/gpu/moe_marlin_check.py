@@ -1,5 +1,5 @@
 """Compile, check and time the CUDA Marlin MoE (kernels/moe_marlin.cu), its large-T sibling
-(kernels/moe_wide.cu, variants w<MT>[s<stages>][n<warps>][v<w2 warps>][b<minb>][e<l2 policy>][k]) and the Triton kernels
+(kernels/moe_wide.cu, variants w<MT>[s<stages>][n<warps>][v<w2 warps>][b<minb>]) and the Triton kernels
 at the K2.6 TP-8 rank shard (E=384, H=7168, I=256, group 32, top-8), uniform routing, CUDA
 graphs of ROT calls over rotated inputs. Writes moe_marlin_check.csv under the given folder and
 prints a short table last (whole layer, us, % of measured copy bandwidth).
@@ -31,16 +31,15 @@ VARIANTS = ["m1", "m1k16", "m2", "m4", "triton"]   # default variants
 
 def variant(name: str) -> tuple[str, dict | None]:
     """'m<NG>[k<splits>][s<stages>][b<w2 blocks>]' -> ("marlin", tiles for kernels.moe_marlin.resolve_tiles);
-    'w<MT>[s<stages>][n<warps>][v<w2's warps>][b<minb>][e<l2>][k]' -> ("wide", tiles for kernels.moe_wide; k: the
-    k sum in its own launch); 'triton' ->
+    'w<MT>[s<stages>][n<warps>][v<w2's warps>][b<minb>]' -> ("wide", tiles for kernels.moe_wide); 'triton' ->
     ("triton", None: the Triton default table)."""
     if name == "triton":
         return "triton", None
-    m = re.fullmatch(r"w(\d)(?:s(\d+))?(?:n(\d))?(?:v(\d))?(?:b(\d))?(?:e(\d))?(k?)", name)
+    m = re.fullmatch(r"w(\d)(?:s(\d+))?(?:n(\d))?(?:v(\d))?(?:b(\d))?", name)
     if m:
         warps = int(m[3] or 8)
         return "wide", {"mt": int(m[1]), "stages": int(m[2] or 4), "warps": warps, "w2_warps": int(m[4] or warps),
-                        "minb": int(m[5] or 1), "l2": int(m[6] or 0), "ksum": int(bool(m[7]))}
+                        "minb": int(m[5] or 1)}
     m = re.fullmatch(r"m(\d)(?:k(\d+))?(?:s(\d+))?(?:b(\d))?", name)
     if not m:
         raise SystemExit(f"unknown variant {name!r}")
