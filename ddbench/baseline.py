@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import gc
 import json
 import math
 import random
@@ -385,7 +386,19 @@ async def _request(client, api: str, base: str, p: Prompt, index: int, timeout: 
     return o
 
 
-async def run_level(client, api: str, base: str, prompts: list[Prompt], n: int, timeout: float,
+async def run_level(*args, **kw) -> tuple[list[Outcome], float]:
+    """`_run_level` (below) with what is alive now (torch, the prompts) moved out of the
+    collector's reach: a full collection over it stalls the event loop for tens of ms, which
+    would delay the arrivals it times."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return await _run_level(*args, **kw)
+    finally:
+        gc.unfreeze()
+
+
+async def _run_level(client, api: str, base: str, prompts: list[Prompt], n: int, timeout: float,
                     model: str | None = None, on_done=None, fields: Fields | None = None,
                     rate: float = math.inf, seed: int = 0) -> tuple[list[Outcome], float]:
     """Send every prompt with at most `n` in flight; returns (outcomes, wall time in s).
