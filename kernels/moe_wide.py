@@ -121,8 +121,14 @@ def resolve_tiles(tokens: int, top_k: int, w, tiles: dict | None = None) -> dict
     return t
 
 
+def _key(tiles: dict, warps: int, w, top_k: int, device: torch.device) -> tuple:
+    """_kernel's and _grid's arguments after the name: one compile of moe_wide.cu serves every
+    kernel of a launch with these."""
+    return tiles["mt"], tiles["stages"], warps, tiles["minb"], w.group_size, w.hidden, w.inter, top_k, device
+
+
 def _launch(name: str, tiles: dict, warps: int, w, top_k: int, device: torch.device, args: list, mode: int) -> None:
-    key = (tiles["mt"], tiles["stages"], warps, tiles["minb"], w.group_size, w.hidden, w.inter, top_k, device)
+    key = _key(tiles, warps, w, top_k, device)
     _kernel(name, *key)(_grid(name, *key), 32 * warps, shared_bytes(tiles, warps), args + [mode], pdl=mode > 0)
 
 
@@ -150,8 +156,7 @@ def wide_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, ti
     _launch("wide_w2", tiles, tiles["w2_warps"], w, top_k, dev,
             [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
              topk_weights.reshape(-1).float().contiguous(), ypart], mode)
-    ksum = _kernel("wide_ksum", tiles["mt"], tiles["stages"], tiles["w2_warps"], tiles["minb"], w.group_size, h,
-                   w.inter, top_k, dev)
+    ksum = _kernel("wide_ksum", *_key(tiles, tiles["w2_warps"], w, top_k, dev))   # wide_w2's compile
     ksum(-(-t * (h // 8) // 256), 256, 0, [ypart, out, t, mode], pdl=mode > 0)
     return out
 
