@@ -386,19 +386,19 @@ async def _request(client, api: str, base: str, p: Prompt, index: int, timeout: 
     return o
 
 
-async def run_level(*args, **kw) -> tuple[list[Outcome], float]:
-    """`_run_level` (below) with what is alive now (torch, the prompts) moved out of the
-    collector's reach: a full collection over it stalls the event loop for tens of ms, which
-    would delay the arrivals it times."""
+@contextlib.contextmanager
+def _heap_frozen():
+    """What is alive now (torch, the prompts) moved out of the collector's reach: a full
+    collection over it stalls the event loop for tens of ms, which would delay timed arrivals."""
     gc.collect()
     gc.freeze()
     try:
-        return await _run_level(*args, **kw)
+        yield
     finally:
         gc.unfreeze()
 
 
-async def _run_level(client, api: str, base: str, prompts: list[Prompt], n: int, timeout: float,
+async def run_level(client, api: str, base: str, prompts: list[Prompt], n: int, timeout: float,
                     model: str | None = None, on_done=None, fields: Fields | None = None,
                     rate: float = math.inf, seed: int = 0) -> tuple[list[Outcome], float]:
     """Send every prompt with at most `n` in flight; returns (outcomes, wall time in s).
@@ -417,33 +417,34 @@ async def _run_level(client, api: str, base: str, prompts: list[Prompt], n: int,
         if on_done is not None:
             on_done(o)
 
-    t0 = time.perf_counter()
-    if math.isinf(rate):
-        todo = iter(enumerate(prompts))  # shared: each worker takes the next prompt
+    with _heap_frozen():
+        t0 = time.perf_counter()
+        if math.isinf(rate):
+            todo = iter(enumerate(prompts))  # shared: each worker takes the next prompt
 
-        async def worker():
-            for i, p in todo:
-                await send(i, p)
+            async def worker():
+                for i, p in todo:
+                    await send(i, p)
 
-        await asyncio.gather(*(worker() for _ in range(min(n, len(prompts)))))
-    else:
-        rng, slots, due, tasks = random.Random(seed), asyncio.Semaphore(n), t0, []
+            await asyncio.gather(*(worker() for _ in range(min(n, len(prompts)))))
+        else:
+            rng, slots, due, tasks = random.Random(seed), asyncio.Semaphore(n), t0, []
 
-        async def arrival(i, p):
-            async with slots:
-                await send(i, p)
+            async def arrival(i, p):
+                async with slots:
+                    await send(i, p)
 
-        try:
-            for i, p in enumerate(prompts):
-                if i:  # absolute arrival times: the sleeps do not drift
-                    due += rng.expovariate(rate)
-                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
-                tasks.append(asyncio.ensure_future(arrival(i, p)))
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
-    wall = time.perf_counter() - t0
+            try:
+                for i, p in enumerate(prompts):
+                    if i:  # absolute arrival times: the sleeps do not drift
+                        due += rng.expovariate(rate)
+                        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                    tasks.append(asyncio.ensure_future(arrival(i, p)))
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+        wall = time.perf_counter() - t0
     return sorted(outcomes, key=lambda o: o.index), wall
 
 
