@@ -10,6 +10,11 @@ copy of the source, compiled beside it on the device):
              memory, each computes KS-th of the unit's fp16 act row into global memory, so the
              w2 role reads 4 KB of act rows after its wait instead of every split's fp32 sums
              (64 KB); run only where every cluster of the grid can be resident at once
+  ring6, ring7  w13 rings of 6 / 7 stages a warp (7 = a warp's whole share at K2.6 TP-8: every
+             w13 byte in flight from the start, no refill round)
+  sum2       the w2 role's split sum with both of a thread's passes' L2 loads issued before
+             either's maths (one L2 round trip after the wait instead of two)
+  fast       ring7 + sum2
 and KS = 2 (K splits a unit; more would need more programs than SMs). CSV to argv[1].
     python3 -m experiments.scripts.moe_decode_probe OUT.csv [VARIANT,...]
 """
@@ -36,6 +41,42 @@ PATCHES = {
                   "for (int i = threadIdx.x; i < 0; i += THREADS) {")],
 }
 PATCHES["bare"] = PATCHES["nomath"] + PATCHES["noload"] + PATCHES["w2noload"]
+RING = "#define STAGES13 (G <= 64 ? 4 : 2)"
+PATCHES["ring6"] = [(RING, "#define STAGES13 6")]
+PATCHES["ring7"] = [(RING, "#define STAGES13 7")]
+SUM_LOOP = """    for (int i = threadIdx.x; i < n * I / 4; i += THREADS) {      // 4 act columns a step: sum the splits in order
+        const int unit = i / 16, c = 4 * (i % 16), j = unit / P13;
+        const float* up = part + (long)unit * KS * 128 + c;
+        float4 gs = make_float4(0.f, 0.f, 0.f, 0.f), us = gs;
+#pragma unroll
+        for (int r = 0; r < KS; r++) {
+            const float4 gv = ld_f32x4(up + r * 128), uv = ld_f32x4(up + r * 128 + 64);
+"""
+PATCHES["sum2"] = [(SUM_LOOP, """    float4 pv[2][2 * KS];                                         // both passes' loads first
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int i = threadIdx.x + h * THREADS;
+        if (i < n * I / 4) {
+            const float* up = part + (long)(i / 16) * KS * 128 + 4 * (i % 16);
+#pragma unroll
+            for (int r = 0; r < KS; r++) {
+                pv[h][2 * r] = ld_f32x4(up + r * 128);
+                pv[h][2 * r + 1] = ld_f32x4(up + r * 128 + 64);
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int i = threadIdx.x + h * THREADS;
+        if (i >= n * I / 4) continue;
+        const int unit = i / 16, c = 4 * (i % 16), j = unit / P13;
+        float4 gs = make_float4(0.f, 0.f, 0.f, 0.f), us = gs;
+#pragma unroll
+        for (int r = 0; r < KS; r++) {
+            const float4 gv = pv[h][2 * r], uv = pv[h][2 * r + 1];
+""")]
+PATCHES["fast"] = PATCHES["ring7"] + PATCHES["sum2"]
+STAGES = {"ring6": 6, "ring7": 7, "fast": 7}          # variants' w13 ring stages (shared memory)
 PATCHES["cluster"] = [
     ('extern "C" __global__ void __launch_bounds__(THREADS, 1)\ndecode_moe(',
      """__device__ __forceinline__ float2 cl_ld2(const float* p, int rank) {   // another program's shared memory
@@ -134,7 +175,7 @@ def main(out: str, names: str = "product,nomath,noload,w2noload,bare,ks2,cluster
     x = torch.randn(1, 7168, device=dev).bfloat16()
     ids, tw = synthetic_routing("uniform", 1, 384, 8, device=dev, seed=1)
     ref = md.fused_moe_decode(x, ids, tw, w)
-    rows, orig, ks0 = [], md._kernel, md.KS
+    rows, orig, ks0, orig_shared = [], md._kernel, md.KS, md.shared_bytes
     for name in names.split(","):
         ks = 2 if name == "ks2" else ks0
         src = variant_source(name) if name in PATCHES else "moe_decode.cu"
@@ -148,12 +189,15 @@ def main(out: str, names: str = "product,nomath,noload,w2noload,bare,ks2,cluster
         md.KS = ks
         md._kernel = functools.lru_cache(maxsize=None)(
             lambda h, i, g, d, _src=src, _ks=ks: Kernel(_src, "decode_moe", {"H": h, "I": i, "G": g, "KS": _ks}, d))
+        if name in STAGES:                                 # the product's 4 ring stages + the variant's extra
+            md.shared_bytes = lambda h, i, g, _x=STAGES[name] - 4: \
+                orig_shared(h, i, g) + _x * (md.THREADS // 32) * (g // 16 * 2 * 32 + 16) * 16
         try:
             us = time_us(lambda: md.fused_moe_decode(x, ids, tw, w, pdl_mode=2))
             us_off = time_us(lambda: md.fused_moe_decode(x, ids, tw, w, pdl_mode=0))
             same = bool(torch.equal(md.fused_moe_decode(x, ids, tw, w), ref))
         finally:
-            md._kernel, md.KS = orig, ks0
+            md._kernel, md.KS, md.shared_bytes = orig, ks0, orig_shared
         rows.append(dict(variant=name, ks=ks, programs=md.programs(8, w), layer_us_pdl=round(us, 2),
                          layer_us_nopdl=round(us_off, 2), equal_to_product=same))
         print(rows[-1], flush=True)
