@@ -1,10 +1,10 @@
 """Compile, check and time the CUDA Marlin MoE (kernels/moe_marlin.cu), its large-T sibling
 (kernels/moe_wide.cu, variants w<MT>[s<stages>][n<warps>][v<w2 warps>][b<minb>]) and the Triton kernels
-at the K2.6 TP-8 rank shard (E=384, H=7168, I=256, group 32, top-8), uniform routing, CUDA
+at the K2.6 TP-8 rank shard (E=384, H=7168, I=256, group 32, top-8; I = 2048 is TP-1's whole layer), uniform routing, CUDA
 graphs of ROT calls over rotated inputs. Writes moe_marlin_check.csv under the given folder and
 prints a short table last (whole layer, us, % of measured copy bandwidth).
 
-usage: python3 scripts/gpu/moe_marlin_check.py OUT_DIR [T,T,...] [variant,variant,...]
+usage: python3 scripts/gpu/moe_marlin_check.py OUT_DIR [T,T,...] [variant,variant,...] [I]
 """
 from __future__ import annotations
 
@@ -55,9 +55,10 @@ def main() -> None:
     tokens = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else \
         [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else VARIANTS
+    inter = int(sys.argv[4]) if len(sys.argv) > 4 else I
     dev = torch.device("cuda")
     t0 = time.time()
-    w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
+    w = random_marlin_moe(E, H, inter, G, K, device=dev, seed=0)
     copy = timing.copy_bandwidth_gbps(dev)
     gemm = timing.gemm_tflops(dev)
     exp_b = w.expert_bytes()
@@ -71,12 +72,12 @@ def main() -> None:
             routes.append(synthetic_routing("uniform", t, E, K, device=dev, seed=t * 31 + r))
         touched = sum(torch.unique(ids).numel() for ids, _ in routes) / ROT
         floor_us = (touched * exp_b + 2 * t * H * 2) / (copy * 1e9) * 1e6
-        flops = 2 * t * K * 3 * H * I
+        flops = 2 * t * K * 3 * H * inter
         ref = fused_moe_ref(xs[0].float(), *routes[0], w).float()
         for name in names:
             kind, spec = variant(name)
             if kind == "triton":
-                cfg = mt.default_config(t, K, E, I, H, mt.sm_count(dev))
+                cfg = mt.default_config(t, K, E, inter, H, mt.sm_count(dev))
                 tiles = f"{'gemv-' if cfg.gemv else ''}m{cfg.block_m}"
 
                 def fn(r, cfg=cfg):
@@ -103,7 +104,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - report and go on with the other variants
                 print(f"T={t} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            row = dict(tokens=t, variant=name, tiles=tiles, time_us=round(us, 2), floor_us=round(floor_us, 2),
+            row = dict(tokens=t, inter=inter, variant=name, tiles=tiles, time_us=round(us, 2), floor_us=round(floor_us, 2),
                        pct_copy=round(100 * floor_us / us, 1), pct_gemm=round(100 * flops / (us * 1e-6) / 1e12 / gemm, 2),
                        rel_err=f"{err:.2e}", bitwise_repeat=same, copy_gbps=round(copy), gemm_tflops=round(gemm))
             rows.append(row)
@@ -112,7 +113,7 @@ def main() -> None:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
-    print(f"\nwhole layer, us (% of copy bandwidth), copy {copy:.0f} GB/s; total {time.time() - t0:.0f} s")
+    print(f"\nwhole layer at I = {inter}, us (% of copy bandwidth), copy {copy:.0f} GB/s; total {time.time() - t0:.0f} s")
     print("T".rjust(5) + "".join(n.rjust(14) for n in names))
     for t in tokens:
         cells = []
