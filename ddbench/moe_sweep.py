@@ -279,7 +279,7 @@ def run(*, preset: str | None, tp: int, tokens: str | None, routing: str, backen
                         kernel=kernel, kernel_rule=("auto: decode (kernels.moe_decode) for T = 1 where it fits"
                                                     " (sm_90+); marlin (kernels.moe_marlin, tiles by T*k/E:"
                                                     f" moe_marlin.TILES) for T >= {MARLIN_MIN_TOKENS} where it fits"
-                                                    " (bf16, sm_90+); wide (kernels.moe_wide, tiles by T*k/E:"
+                                                    " (bf16, sm_90+); wide (kernels.moe_wide, tiles by T*k/E and I:"
                                                     f" moe_wide.TILES) from T*k/E >= {WIDE_MIN_PER_EXPERT} where it"
                                                     " fits; else the Triton default table"
                                                     " (kernels.moe_triton.TILE_TABLE)"))

@@ -14,7 +14,8 @@ no K split. The weight is (q - 8) * scale rounded to bf16 once (moe_marlin keeps
 scales the fp32 product): relative error ~4e-3 against the fp32 reference (moe_marlin's ~3e-3).
 
 `tiles_for` picks MT, stages, warps and `minb` (the programs an SM the registers are capped
-for: MT 2 at 4 takes 128 registers, so 16 warps an SM) by tokens per expert (TILES); `fits`
+for: MT 2 at 4 takes 128 registers, so 16 warps an SM) by tokens per expert and the experts'
+intermediate size (TILES); `fits`
 says whether a call qualifies.
 """
 from __future__ import annotations
@@ -26,15 +27,19 @@ import torch
 from ddbench.kernels import moe_marlin, pdl
 
 WARPS = 8                 # the most warps a program (shapes_ok's bound); 4 or 8
-# (max tokens per expert T*k/E, MT 16-row tiles a block, STAGES, w13's warps a program, w2's,
-# MINB); first match. H100, 2026-12-07, whole layer us (scripts/gpu/moe_marlin_check.py;
-# experiments/results/moe_wide_check_h100_20261207-1514_ksum_minb_l2.csv, -1515_ksum_l2.csv),
-# MT 2 / MT 2 MINB 4 / MT 4, 4 warps: T=1024 748.6 / 768.3 / 885.4, 2048 1443.2 / 1361.1 / 1207.1,
-# 4096 2360.7 / 2258.6 / 2372.9 (second run 2241.8 for MT 2 MINB 4).
-TILES: list[tuple[float, int, int, int, int, int]] = [
-    (32.0, 2, 4, 4, 4, 1),
-    (64.0, 4, 4, 4, 4, 1),
-    (float("inf"), 2, 4, 4, 4, 4),
+# (max tokens per expert T*k/E, max I (the expert's intermediate dims on the rank, w2's K), MT
+# 16-row tiles a block, STAGES, w13's warps a program, w2's, MINB); first match. H100, 2026-12-07,
+# whole layer us (scripts/gpu/moe_marlin_check.py): MT 2 with registers capped for 4 programs an
+# SM (MINB 4) wins only at the TP-8 shard's I = 256, whose w2 items are 8 K stages; from I = 512
+# MT 4 does. T = 4096, MT 4 / MT 2 MINB 4: I = 256 2376 / 2253, 512 3997 / 4141, 1024 7124 / 7830,
+# 2048 13669 / 15482 (experiments/results/moe_wide_check_h100_20261207-1634_inter.csv); at 16-32
+# tokens an expert MT 2 beats MT 4 at I = 256 and 2048 alike (T = 1024: 752 / 891, 5159 / 5692;
+# -1636_inter.csv).
+TILES: list[tuple[float, float, int, int, int, int, int]] = [
+    (32.0, float("inf"), 2, 4, 4, 4, 1),
+    (64.0, float("inf"), 4, 4, 4, 4, 1),
+    (float("inf"), 256, 2, 4, 4, 4, 4),
+    (float("inf"), float("inf"), 4, 4, 4, 4, 1),
 ]
 
 
@@ -59,10 +64,12 @@ def tile_name(tiles: dict) -> str:
     return "mt{mt}s{stages}w{warps}".format(**tiles) + w2 + minb
 
 
-def tiles_for(tokens: int, top_k: int, n_experts: int, table: list | None = None) -> dict:
-    """{"mt", "stages", "warps", "w2_warps", "minb"} of the first TILES row whose bound holds T*k/E."""
+def tiles_for(tokens: int, top_k: int, n_experts: int, inter: int, table: list | None = None) -> dict:
+    """{"mt", "stages", "warps", "w2_warps", "minb"} of the first TILES row whose bounds hold T*k/E
+    and the experts' intermediate size `inter`."""
     per_expert = tokens * top_k / n_experts
-    _, mt, stages, warps, w2_warps, minb = next(r for r in (table or TILES) if per_expert <= r[0])
+    row = next(r for r in (table or TILES) if per_expert <= r[0] and inter <= r[1])
+    _, _, mt, stages, warps, w2_warps, minb = row
     return {"mt": mt, "stages": stages, "warps": warps, "w2_warps": w2_warps, "minb": minb}
 
 
@@ -110,7 +117,7 @@ def _grid(name: str, mt: int, stages: int, warps: int, minb: int, group: int, hi
 def resolve_tiles(tokens: int, top_k: int, w, tiles: dict | None = None) -> dict:
     """The tile dict a call runs: tiles_for's, or `tiles` ({"mt"[, "stages", "warps", "w2_warps",
     "minb"]}; stages 4, WARPS warps, w2's warps as w13's, minb 1 where not given)."""
-    t = dict(tiles or tiles_for(tokens, top_k, w.n_experts))
+    t = dict(tiles or tiles_for(tokens, top_k, w.n_experts, w.inter))
     t.setdefault("stages", 4)
     t.setdefault("warps", WARPS)
     t.setdefault("w2_warps", t["warps"])

@@ -22,12 +22,16 @@ def test_b_fragments_are_the_tile(seed):
 
 
 def test_tiles_and_shapes():
-    assert mw.tiles_for(768, 8, 384) == {"mt": 2, "stages": 4, "warps": 4, "w2_warps": 4, "minb": 1}   # 16 an expert
-    assert mw.tiles_for(1024, 8, 384)["mt"] == 2          # 21.3
-    assert mw.tiles_for(2048, 8, 384)["mt"] == 4          # 42.7
-    assert mw.tiles_for(4096, 8, 384) == {"mt": 2, "stages": 4, "warps": 4, "w2_warps": 4, "minb": 4}
-    assert mw.tiles_for(4096, 8, 384, [(float("inf"), 1, 3, 8, 4, 1)]) == {"mt": 1, "stages": 3, "warps": 8,
-                                                                            "w2_warps": 4, "minb": 1}
+    assert mw.tiles_for(768, 8, 384, 256) == {"mt": 2, "stages": 4, "warps": 4, "w2_warps": 4, "minb": 1}   # 16
+    assert mw.tiles_for(1024, 8, 384, 256)["mt"] == 2     # 21.3 an expert
+    assert mw.tiles_for(1024, 8, 384, 2048)["mt"] == 2
+    assert mw.tiles_for(2048, 8, 384, 256)["mt"] == 4     # 42.7
+    capped = {"mt": 2, "stages": 4, "warps": 4, "w2_warps": 4, "minb": 4}
+    assert mw.tiles_for(4096, 8, 384, 256) == capped     # 85.3 at the TP-8 shard's short w2 items
+    for inter in (512, 2048):                            # longer w2 items: MT 4, uncapped
+        assert mw.tiles_for(4096, 8, 384, inter) == capped | {"mt": 4, "minb": 1}
+    assert mw.tiles_for(4096, 8, 384, 256, [(float("inf"), float("inf"), 1, 3, 8, 4, 1)]) == {
+        "mt": 1, "stages": 3, "warps": 8, "w2_warps": 4, "minb": 1}
     assert mw.shared_bytes({"mt": 4, "stages": 4, "warps": 8}) == 4 * (256 + 576) * 16
     assert mw.shared_bytes({"mt": 4, "stages": 4, "warps": 8}, 4) == 4 * (256 + 288) * 16
     assert mw.tile_name({"mt": 4, "stages": 4, "warps": 8, "w2_warps": 8}) == "mt4s4w8"

@@ -172,7 +172,7 @@ def wide_bound(tokens: list[int], gemm_tflops: float = 805.0, seed: int = 0) -> 
     gen, rows = torch.Generator().manual_seed(seed), []
     per_us = SMS * SCHEDULERS * CLOCK_MHZ
     for t in tokens:
-        tiles = mw.tiles_for(t, TOPK, E)
+        tiles = mw.tiles_for(t, TOPK, E, I)
         mt = tiles["mt"]
         ids = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(t)])
         n_blocks = int(mm.plan_ref(ids, E, 16 * mt)[3])
