@@ -15,8 +15,7 @@ scales the fp32 product): relative error ~4e-3 against the fp32 reference (moe_m
 
 `tiles_for` picks MT, stages, warps and `minb` (the programs an SM the registers are capped
 for: MT 2 at 4 takes 128 registers, so 16 warps an SM) by tokens per expert and the experts'
-intermediate size (TILES); `fits`
-says whether a call qualifies.
+intermediate size (TILES); `fits` says whether a call qualifies.
 """
 from __future__ import annotations
 
