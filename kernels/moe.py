@@ -64,7 +64,7 @@ KERNELS = ("auto", "decode", "marlin", "wide", "triton", "gemv", "torch")
 # (kernels.moe_wide) where that fits; elsewhere the Triton default (moe_triton.TILE_TABLE: the
 # CUDA-core gemv at one token). Measured crossovers: docs/notes/moe.md.
 MARLIN_MIN_TOKENS = 2
-WIDE_MIN_PER_EXPERT = 12.0
+WIDE_MIN_PER_EXPERT = 14.0   # H100: marlin 654.0 vs wide 661.2 us at T = 640 (13.3), wide 681.3 vs 708.6 at 704 (14.7)
 
 
 def resolve_moe_kernel(tokens: int, top_k: int, w: MarlinMoE, device, kernel: str = "auto", *,

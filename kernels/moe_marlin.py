@@ -40,11 +40,14 @@ MAX_SPLITS = 32
 # 4 stages (H100, 2026-12-07, experiments/results/moe_crossover_check_h100_20261207-1516.csv,
 # moe_marlin_check_h100_20261207-1514_splits.csv): T=384 570.3/555.2, 448 594.2/573.1, 512
 # 619.8/598.1 (3 and 4 splits slower: 629.7, 656.5), 576 653.4/664.2; T=256 at 5 stages 495.9/516.2.
+# Above 8 an expert (H100, 2026-12-07 16:49, moe_crossover_check_h100_20261207-1649_stages.csv),
+# 1 split 5 stages / 2 splits 3 stages / 2 splits 4 stages: T=448 536.5/550.4/558.5, 480
+# 555.4/558.5/570.2, 512 630.0/566.9/581.9, 544 649.4/600.9/618.5, 640 682.3/654.0/676.8.
 TILES: list[tuple[float, int, int, int, int, int]] = [
     (0.17, 1, 4, 4, 1, 0),
     (2.0, 1, 4, 4, 2, 0),
-    (8.0, 2, 5, 4, 2, 0),
-    (float("inf"), 2, 4, 4, 2, 2),
+    (10.0, 2, 5, 4, 2, 0),
+    (float("inf"), 2, 3, 4, 2, 2),
 ]
 
 

@@ -49,8 +49,9 @@ def test_work_split_and_tiles():
     assert mm.tiles_for(1, 8, 384)["ng"] == 1 and mm.tiles_for(512, 8, 384)["ng"] == 2
     assert mm.tiles_for(8, 8, 384)["w2b"] == 1 and mm.tiles_for(64, 8, 384)["w2b"] == 2
     assert mm.tiles_for(4096, 8, 384)["ng"] == 2
-    assert mm.tiles_for(256, 8, 384)["stages"] == 5 and mm.tiles_for(512, 8, 384)["stages"] == 4
-    assert "splits" not in mm.tiles_for(256, 8, 384) and mm.tiles_for(512, 8, 384)["splits"] == 2   # row's own count
+    assert mm.tiles_for(256, 8, 384)["stages"] == 5 and mm.tiles_for(480, 8, 384)["stages"] == 5   # 10 an expert
+    assert mm.tiles_for(512, 8, 384)["stages"] == 3
+    assert "splits" not in mm.tiles_for(480, 8, 384) and mm.tiles_for(512, 8, 384)["splits"] == 2   # row's own count
     assert mm.shared_bytes({"ng": 1, "stages": 4, "warps": 4, "w2b": 2}) == 4 * 4 * (144 + 32) * 16
     assert mm.shared_bytes({"ng": 2, "stages": 3, "warps": 4, "w2b": 4}, "moe_w2") == 4 * 3 * (288 + 64) * 16
 
