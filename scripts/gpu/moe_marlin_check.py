@@ -1,6 +1,7 @@
 """Compile, check and time the CUDA Marlin MoE (kernels/moe_marlin.cu), its large-T sibling
 (kernels/moe_wide.cu, variants w<MT>[s<stages>][n<warps>][v<w2 warps>][b<minb>]) and the Triton kernels
-at the K2.6 TP-8 rank shard (E=384, H=7168, I=256, group 32, top-8; I = 2048 is TP-1's whole layer), uniform routing, CUDA
+at the K2.6 TP-8 rank shard (E=384, H=7168, I=256, group 32, top-8; the optional I = 2048 is TP-1's
+whole layer), uniform routing, CUDA
 graphs of ROT calls over rotated inputs. Writes moe_marlin_check.csv under the given folder and
 prints a short table last (whole layer, us, % of measured copy bandwidth).
 
@@ -104,7 +105,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - report and go on with the other variants
                 print(f"T={t} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            row = dict(tokens=t, inter=inter, variant=name, tiles=tiles, time_us=round(us, 2), floor_us=round(floor_us, 2),
+            row = dict(tokens=t, inter=inter, variant=name, tiles=tiles, time_us=round(us, 2),
+                       floor_us=round(floor_us, 2),
                        pct_copy=round(100 * floor_us / us, 1), pct_gemm=round(100 * flops / (us * 1e-6) / 1e12 / gemm, 2),
                        rel_err=f"{err:.2e}", bitwise_repeat=same, copy_gbps=round(copy), gemm_tflops=round(gemm))
             rows.append(row)
@@ -113,7 +115,8 @@ def main() -> None:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
-    print(f"\nwhole layer at I = {inter}, us (% of copy bandwidth), copy {copy:.0f} GB/s; total {time.time() - t0:.0f} s")
+    print(f"\nwhole layer at I = {inter}, us (% of copy bandwidth), copy {copy:.0f} GB/s;"
+          f" total {time.time() - t0:.0f} s")
     print("T".rjust(5) + "".join(n.rjust(14) for n in names))
     for t in tokens:
         cells = []
