@@ -1,8 +1,9 @@
 """Compile, check and time the CUDA Marlin MoE (kernels/moe_marlin.cu), its large-T sibling
-(kernels/moe_wide.cu, variants w<MT>[s<stages>][n<warps>][v<w2 warps>][b<minb>]) and the Triton kernels
-at the K2.6 TP-8 rank shard (E=384, H=7168, I=256, group 32, top-8; the optional I = 2048 is TP-1's
-whole layer), uniform routing, CUDA graphs of ROT calls over rotated inputs. Writes moe_marlin_check.csv under the given folder and
-prints a short table last (whole layer, us, % of measured copy bandwidth).
+(kernels/moe_wide.cu, variants w<MT>[s<stages>][n<warps>][v<w2 warps>][b<minb>]) and the Triton
+kernels at the K2.6 TP-8 rank shard (E=384, H=7168, I=256, group 32, top-8; the optional I = 2048
+is TP-1's whole layer), uniform routing, CUDA graphs of ROT calls over rotated inputs. Writes
+moe_marlin_check.csv under the given folder and prints a short table last (whole layer, us, % of
+measured copy bandwidth).
 
 usage: python3 scripts/gpu/moe_marlin_check.py OUT_DIR [T,T,...] [variant,variant,...] [I]
 """
