@@ -173,8 +173,9 @@ _TICKETS: dict = {}
 
 
 def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 ticket counters of the marlin and wide kernels (every launch leaves them zero;
-    the kernels of one MoE call never run at the same time), grown outside graph capture."""
+    """Zeroed int32 ticket counters of the marlin kernels: w13's split sums and w2's k sums (every
+    launch leaves them zero; the kernels of one MoE call never run at the same time), grown
+    outside graph capture."""
     have = _TICKETS.get(device)
     if have is None or have.numel() < n:
         if torch.cuda.is_current_stream_capturing():
