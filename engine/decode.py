@@ -49,18 +49,19 @@ HEAD_START_CYCLES = 200_000_000   # ~0.1 s of GPU spin before an eager phase-tim
 
 
 def decode_forward(model: Transformer, tok: torch.Tensor, prefix_len: torch.Tensor, cache, visible: torch.Tensor,
-                   routing=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   routing=None, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The AR decode step's work on the target (capturable: no host syncs): token `tok[b]`
     (long `[B, 1]`) of every stream at position `prefix_len[b]` (int `[B]`, tokens cached
     before it; its KV is written there), seeing its cached prefix and itself (`visible`
     bool `[B, 1, 1]`, all True) -> (logits fp32 `[B, 1, vocab]`, greedy next token long
     `[B, 1]`). The caller advances its own state. `routing` (an `engine.routing.Routing`):
-    the forward's tokens are named to it (keyed draws) and the key cleared after, as
-    `ARStep` does; None leaves the model's hook as it is (`Decoder`: unkeyed draws)."""
+    the forward's tokens are named to it by `keys` (long `[B, 1]`, `engine.routing.PrefixKeys`;
+    keyed draws) and the key cleared after, as `ARStep` does; None leaves the model's hook as
+    it is (`Decoder`: unkeyed draws)."""
     b = tok.shape[0]
     pos = prefix_len.long().view(b, 1)                                          # [B, 1] rope positions
     if routing is not None:
-        routing.set_key(tok, pos)
+        routing.set_key(keys)
     logits, _ = model(tok, pos, cache, prefix_len, visible)                     # [B, 1, V]
     if routing is not None:
         routing.key = None

@@ -15,16 +15,21 @@ after the router in `engine.model.MoE.forward` (the router's work is still done)
   probability F and fills the rest with uniform experts its parent does not keep.
 
 The draws read a pool of precomputed uniform top-k rows, so a step has no host sync and
-the graphs stay valid. Where the caller names each token (`Routing.key`: token id and
-position, set by the engine's steppers and prefill), the row is a hash of (key, layer):
-the same token at the same position always runs the same experts, so the target stays a
-deterministic function and real acceptance stays lossless against AR; elsewhere the rows
-run on from an offset hashed from a device counter that every call advances (fresh on every
-CUDA-graph replay). overlap's keep/replace draws are random (`torch.rand`). Every call counts
-the distinct experts of the forward into device buffers indexed by tokens per stream (`t`: 1
-for a decode step, budget + 1 for a verify, the chunk for a prefill); `mean_touched(t)` reads
-them after the run. Draw and count are one launch on the GPU (`kernels.route_draw`); the
-launch is the hook's whole cost on the step (a real router pays none of it).
+the graphs stay valid. Where the caller names each token (`Routing.key`, from `PrefixKeys`:
+a hash of the token's whole prefix, the stream's tokens up to and including it, set by the
+engine's steppers and prefill), the row is a hash of (key, layer): the same prefix always
+runs the same experts, so the target stays a deterministic function of the prefix and real
+acceptance stays lossless against AR, while tokens with different prefixes draw
+independently, as a real router's different hidden states do. (A key of token and position
+alone gave a tree's nodes that share a drafted token at one depth under different parents the
+same experts: at c = 10, budget 8, 249 distinct experts a layer ran where independent
+routing touches 326.) Elsewhere the rows run on from an offset hashed from a device counter
+that every call advances (fresh on every CUDA-graph replay). overlap's keep/replace draws are
+random (`torch.rand`). Every call counts the distinct experts of the forward into device
+buffers indexed by tokens per stream (`t`: 1 for a decode step, budget + 1 for a verify, the
+chunk for a prefill); `mean_touched(t)` reads them after the run. Draw and count are one
+launch on the GPU (`kernels.route_draw`); the launch is the hook's whole cost on the step (a
+real router pays none of it); the keys cost a few element-wise launches a step.
 """
 from __future__ import annotations
 
@@ -96,9 +101,9 @@ class Routing:
         calls = float(self.calls[sl].sum())
         return float(self.touched[sl].sum()) / calls if calls else None
 
-    def set_key(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        """Name the next forward's tokens (`[N, T]` ids and positions) for keyed draws."""
-        self.key = tokens.long() * (1 << 24) + positions.long()
+    def set_key(self, keys: torch.Tensor | None) -> None:
+        """Name the next forward's tokens (`[N, T]` long, `PrefixKeys`) for keyed draws; None: unkeyed."""
+        self.key = keys
 
     def draw(self, n: int) -> torch.Tensor:
         """`n` uniform top-k rows `[n, k]` int32 from a random offset (overlap's candidates)."""
@@ -146,6 +151,44 @@ class Routing:
             new = torch.where(keep, pid, buf.gather(-1, d_rank))
             out = torch.where((depth == d).unsqueeze(-1), new, out)
         return out
+
+
+class PrefixKeys:
+    """Each stream's key: the hash of its committed tokens, sum over positions p of
+    token_p * B^p mod M (M = 2^31 - 1). A token's key adds its own term, and a tree node's
+    the terms of its path from the root, so a node and the AR step that reaches the same
+    prefix get the same key; different prefixes collide with probability ~2^-31."""
+
+    M, B = (1 << 31) - 1, 48271
+
+    def __init__(self, n_streams: int, max_len: int, device):
+        w = [1]
+        for _ in range(max_len - 1):
+            w.append(w[-1] * self.B % self.M)
+        self.weight = torch.tensor(w, dtype=torch.long, device=device)                # [max_len] B^p mod M
+        self.prefix = torch.zeros(n_streams, dtype=torch.long, device=device)         # committed tokens' hash
+
+    def _terms(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return tokens.long() * self.weight[positions] % self.M                        # < 2^49 before the mod
+
+    def prompt(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Keys `[N, t]` of a prefill chunk (`valid` False past a prompt's end: such a token
+        adds nothing); the chunk's valid tokens are committed."""
+        terms = torch.where(valid, self._terms(tokens, positions), 0)
+        keys = (self.prefix.view(-1, 1) + terms.cumsum(1)) % self.M
+        self.prefix.copy_(keys[:, -1])
+        return keys
+
+    def tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Keys `[N, T]` of tokens after each stream's committed prefix; `visible[b, i, j]`:
+        token j is token i or one of its ancestors (a one-token step: all True)."""
+        path = (visible.long() * self._terms(tokens, positions).unsqueeze(1)).sum(-1)   # [N, T]
+        return (self.prefix.view(-1, 1) + path) % self.M
+
+    def commit(self, keys: torch.Tensor, node: torch.Tensor, active: torch.Tensor) -> None:
+        """Streams with `active` now end at token `node[b]` of the forward that `keys` named."""
+        last = keys.gather(1, node.clamp(min=0).view(-1, 1)).squeeze(1)
+        self.prefix.copy_(torch.where(active, last, self.prefix))
 
 
 class LayerHook:

@@ -50,6 +50,7 @@ from ddbench.engine.acceptance import (RankCounter, RankProfile, chain_tokens, d
 from ddbench.engine.config import ConfigError
 from ddbench.engine.decode import HEAD_START_CYCLES, decode_forward
 from ddbench.engine.phases import PhaseTimer
+from ddbench.engine.routing import PrefixKeys
 from ddbench.kernels import ddtree
 
 PHASES = ("draft", "tree", "verify", "accept", "context")
@@ -163,7 +164,8 @@ class Session:
 
     prefix_len `[N]` committed tokens (= the bonus token's position), bonus `[N]` the next
     token to verify (already an output), out `[N, W]` generated tokens (n_out `[N]` valid),
-    limit `[N]` tokens to generate, done `[N]`.
+    limit `[N]` tokens to generate, done `[N]`; keys (`engine.routing.PrefixKeys`) each
+    stream's committed prefix hash, which names every forward's tokens to `routing`.
     """
 
     def __init__(self, model, drafter=None, n_streams: int = 1, max_prompt: int = 256, max_new: int = 64,
@@ -187,6 +189,7 @@ class Session:
         self.out = torch.zeros(n, self.width, dtype=torch.long, device=dev)
         self.tied = torch.zeros(n, self.width, dtype=torch.bool, device=dev)   # output came from a top-2 tie
         self.routing = None            # engine.routing.Routing of the model: told each verify's tree
+        self.keys = PrefixKeys(n, max_len, dev)
         self.n_out = torch.zeros(n, dtype=torch.long, device=dev)
         self.limit = torch.zeros(n, dtype=torch.long, device=dev)
         self.done = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -226,8 +229,9 @@ class Session:
             pos = torch.arange(c0, c1, device=dev).expand(n, t)                     # [N, t]
             vis = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(n, t, t)
             start = torch.full((n,), c0, dtype=torch.long, device=dev)
+            keys = self.keys.prompt(tokens[:, c0:c1], pos, pos < lens_t.view(n, 1))
             if self.routing is not None:
-                self.routing.set_key(tokens[:, c0:c1], pos)
+                self.routing.set_key(keys)
             logits, hid = self.model(tokens[:, c0:c1], pos, self.cache, start, vis, self.hidden_layers)
             if self.routing is not None:
                 self.routing.key = None
@@ -245,12 +249,15 @@ class Session:
         self.n_out.fill_(1)
         self.limit.copy_(torch.tensor(limits, dtype=torch.long))
         self.done.copy_(self.n_out >= self.limit)
-        self._snap = [t.clone() for t in (self.prefix_len, self.bonus, self.out, self.n_out, self.done, self.tied)]
+        self._snap = [t.clone() for t in self._state()]
+
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        return self.prefix_len, self.bonus, self.out, self.n_out, self.done, self.tied, self.keys.prefix
 
     def restore(self) -> None:
         """Back to the state right after prefill (the caches past each prefix are scratch,
         so only the small per-stream tensors need restoring)."""
-        for t, s in zip((self.prefix_len, self.bonus, self.out, self.n_out, self.done, self.tied), self._snap):
+        for t, s in zip(self._state(), self._snap):
             t.copy_(s)
 
     def outputs(self) -> list[list[int]]:
@@ -526,7 +533,9 @@ class ARStep(_Stepper):
 
     def _verify(self):
         s = self.sess
-        logits, nxt = decode_forward(s.model, s.bonus.view(-1, 1), s.prefix_len, s.cache, self.vis, s.routing)
+        self.keys = None if s.routing is None else s.keys.tree(s.bonus.view(-1, 1), s.prefix_len.view(-1, 1), self.vis)
+        logits, nxt = decode_forward(s.model, s.bonus.view(-1, 1), s.prefix_len, s.cache, self.vis, s.routing,
+                                     self.keys)
         self.next = nxt[:, 0]                                                 # [N]
         self.tie = top2_tied(logits[:, 0])
 
@@ -535,6 +544,8 @@ class ARStep(_Stepper):
         active = ~s.done
         count = active.long()
         self._record(active, count)
+        if self.keys is not None:
+            s.keys.commit(self.keys, torch.zeros_like(count), active)
         s.prefix_len += count
         s.bonus.copy_(torch.where(active, self.next, s.bonus))
         s.emit(self.next.view(-1, 1), count, self.tie.view(-1, 1))
@@ -609,8 +620,10 @@ class SpecStep(_Stepper):
     def _verify(self):
         s = self.sess
         positions = s.prefix_len.view(-1, 1) + self.depth_of                  # [N, T]
+        self.keys = None
         if s.routing is not None:                                   # keyed draws; overlap follows the tree
-            s.routing.set_key(self.token, positions)
+            self.keys = s.keys.tree(self.token, positions, self.visible)
+            s.routing.set_key(self.keys)
             s.routing.tree = (self.parent, self.depth_of, self.depth)
         logits, self.hid = s.model(self.token, positions, s.cache, s.prefix_len, self.visible, s.hidden_layers)
         if s.routing is not None:
@@ -639,6 +652,8 @@ class SpecStep(_Stepper):
         if new_bonus is None:
             new_bonus = self.argmax.gather(1, last.clamp(min=0)).squeeze(1)
         s.cache.commit(s.prefix_len, acc)
+        if self.keys is not None:
+            s.keys.commit(self.keys, last.squeeze(1), count > 0)
         # outputs: accepted nodes after the root, then the new bonus token
         toks = self.token.gather(1, acc.clamp(min=0))                        # [N, L+1]
         emit = torch.cat([toks[:, 1:], toks[:, :1]], 1)                       # [N, L+1]

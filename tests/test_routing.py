@@ -1,13 +1,14 @@
 """engine.routing: uniform draws match the formula, overlap:1 reuses the parent's experts,
-model keeps the router's choice, keyed draws are a function of the token, and the
-on-device distinct-expert counter agrees with torch.unique."""
+model keeps the router's choice, keyed draws are a function of the key (the hash of the
+token's whole prefix), and the on-device distinct-expert counter agrees with torch.unique."""
 import pytest
 import torch
 
 from ddbench.engine.config import ConfigError, preset
 from ddbench.engine.model import Transformer
-from ddbench.engine.routing import Routing, install, parse_routing
+from ddbench.engine.routing import PrefixKeys, Routing, install, parse_routing
 from ddbench.engine.weights import init_random
+from ddbench.kernels import ddtree
 from ddbench.kernels.moe import expected_experts_touched
 
 E, K = 64, 8
@@ -50,19 +51,55 @@ def test_uniform_matches_the_formula(tokens):
     assert r.mean_touched(tokens) == pytest.approx(expected_experts_touched(tokens, E, K), rel=0.03)
 
 
-def test_keyed_draws_depend_only_on_the_token_and_layer():
+def test_keyed_draws_depend_only_on_the_key_and_layer():
     r = Routing("uniform", E, K, "cpu", seed=1)
-    tok = torch.randint(0, 1000, (2, 5))
-    pos = torch.arange(5).expand(2, 5)
+    keys = torch.randint(0, PrefixKeys.M, (2, 5))
     ids, w = router_ids(10, 3)
-    r.set_key(tok, pos)
+    r.set_key(keys)
     a, _ = r(ids, w, 2, 5, layer=1)
     b, _ = r(ids.flip(0), w, 2, 5, layer=1)
     c, _ = r(ids, w, 2, 5, layer=2)
     assert torch.equal(a, b) and not torch.equal(a, c)
-    r.set_key(tok[:1, 2:3], pos[:1, 2:3])                                   # same token alone: same experts
+    r.set_key(keys[:1, 2:3])                                                # same key alone: same experts
     d, _ = r(ids[:1], w[:1], 1, 1, layer=1)
     assert torch.equal(d[0], a[2])
+
+
+def prefix_hash(tokens: list[int]) -> int:
+    """The reference: sum over positions p of token_p * B^p mod M."""
+    return sum(t * pow(PrefixKeys.B, p, PrefixKeys.M) for p, t in enumerate(tokens)) % PrefixKeys.M
+
+
+def test_prefix_keys_name_the_whole_prefix():
+    """A key hashes its token's whole prefix: prompts (ragged), a tree's nodes (two nodes
+    with one token at one depth under different parents apart), commits and a one-token step."""
+    pk = PrefixKeys(2, 32, "cpu")
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 1000, (2, 7), generator=g)
+    pos = torch.arange(7).expand(2, 7)
+    lens = torch.tensor([7, 4])
+    keys = pk.prompt(prompt, pos, pos < lens.view(2, 1))
+    for b in range(2):
+        for j in range(int(lens[b])):
+            assert int(keys[b, j]) == prefix_hash(prompt[b, :j + 1].tolist())
+        assert int(pk.prefix[b]) == prefix_hash(prompt[b, :int(lens[b])].tolist())
+    # root r, children a and b, then c under a and c under b: [r, a, b, c, c]
+    parent = torch.tensor([[-1, 0, 0, 1, 2]] * 2)
+    depth = torch.tensor([[0, 1, 1, 2, 2]] * 2)
+    tok = torch.tensor([[11, 12, 13, 14, 14], [21, 22, 23, 24, 24]])
+    vis = ddtree._visible_ref(parent, depth)
+    tk = pk.tree(tok, lens.view(2, 1) + depth, vis)
+    for b in range(2):
+        pre = prompt[b, :int(lens[b])].tolist()
+        for i in range(5):
+            path = [int(tok[b, j]) for j in range(5) if vis[b, i, j]]
+            assert int(tk[b, i]) == prefix_hash(pre + path)
+        assert int(tk[b, 3]) != int(tk[b, 4])
+    pk.commit(tk, torch.tensor([4, 3]), torch.tensor([True, False]))
+    assert int(pk.prefix[0]) == int(tk[0, 4]) and int(pk.prefix[1]) == prefix_hash(prompt[1, :4].tolist())
+    one = pk.tree(torch.tensor([[7], [8]]), torch.tensor([[10], [4]]), torch.ones(2, 1, 1, dtype=torch.bool))
+    assert int(one[0]) == prefix_hash(prompt[0].tolist() + [11, 13, 14, 7])
+    assert int(one[1]) == prefix_hash(prompt[1, :4].tolist() + [8])
 
 
 def tree(n, t, depth, seed):
