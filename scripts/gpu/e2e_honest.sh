@@ -10,7 +10,7 @@
 #    acceptance to sit within ~5 % of its expectation, c=10 averages 10 streams over ~20 steady
 #    steps (`steady_tok_per_s`, every stream still generating: what the cost model predicts).
 # 3. c=10, budgets 32 and 128, with the router's own choice (--routing model), to show what
-#    random weights route.                                                  <= ~9 min in all
+#    random weights route (MODEL=0 skips it).                               <= ~9 min in all
 # Each step is stopped with SIGINT at its cap (CAP1, CAP2 seconds), so its CSV keeps the rows measured.
 # Writes results/<gpu>/e2e/<UTC stamp>_honest_c1, _honest_c10, _honest_model (.csv, .json); logs/e2e_honest_<stamp>.log.
 cd "$(dirname "$0")/../.." || exit 1
@@ -34,9 +34,11 @@ timeout -s INT "${CAP1:-220}" "$PY" -m ddbench e2e $COMMON --new-tokens "${NEW1:
 echo "== e2e uniform routing, c=10, ${NEW10:-128} new tokens, budgets $B10 + auto ==" | tee -a "$LOG"
 timeout -s INT "${CAP2:-230}" "$PY" -m ddbench e2e $COMMON --new-tokens "${NEW10:-128}" --routing uniform --concurrency 10 \
     --budget $B10,auto --acceptance "$ACC" --name "${STAMP}_honest_c10" 2>&1 | tee -a "$LOG" || rc=1
-echo "== e2e router's own routing (random weights), c=10 ==" | tee -a "$LOG"
-timeout -s INT "${CAP3:-110}" "$PY" -m ddbench e2e $COMMON --new-tokens "${NEW10:-128}" --routing model --concurrency 10 \
-    --budget 32,128 --acceptance rank:dflash-k25-gsm8k-paper,synthetic:6 --name "${STAMP}_honest_model" 2>&1 \
-    | tee -a "$LOG" || rc=1
+if [ "${MODEL:-1}" != 0 ]; then
+  echo "== e2e router's own routing (random weights), c=10 ==" | tee -a "$LOG"
+  timeout -s INT "${CAP3:-110}" "$PY" -m ddbench e2e $COMMON --new-tokens "${NEW10:-128}" --routing model --concurrency 10 \
+      --budget 32,128 --acceptance rank:dflash-k25-gsm8k-paper,synthetic:6 --name "${STAMP}_honest_model" 2>&1 \
+      | tee -a "$LOG" || rc=1
+fi
 if [ -n "$OUT" ]; then cp "$E2E/${STAMP}"_honest* "$LOG" "$OUT"/ 2>/dev/null; fi
 exit $rc
