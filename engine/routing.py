@@ -168,27 +168,27 @@ class PrefixKeys:
         self.weight = torch.tensor(w, dtype=torch.long, device=device)                # [max_len] B^p mod M
         self.prefix = torch.zeros(n_streams, dtype=torch.long, device=device)         # committed tokens' hash
 
-    def _terms(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return tokens.long() * self.weight[positions] % self.M                        # < 2^49 before the mod
-
     def prompt(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Keys `[N, t]` of a prefill chunk (`valid` False past a prompt's end: such a token
         adds nothing); the chunk's valid tokens are committed."""
-        terms = torch.where(valid, self._terms(tokens, positions), 0)
+        terms = torch.where(valid, tokens.long() * self.weight[positions] % self.M, 0)
         keys = (self.prefix.view(-1, 1) + terms.cumsum(1)) % self.M
         self.prefix.copy_(keys[:, -1])
         return keys
 
     def tree(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Keys `[N, T]` of tokens after each stream's committed prefix; `visible[b, i, j]`:
-        token j is token i or one of its ancestors (a one-token step: all True)."""
-        path = (visible.long() * self._terms(tokens, positions).unsqueeze(1)).sum(-1)   # [N, T]
-        return (self.prefix.view(-1, 1) + path) % self.M
+        token j is token i or one of its ancestors (a one-token step: all True). Few launches
+        (they run inside the timed step): a term is < 2^49 (token ids < 2^18), so a path of up
+        to 2^13 of them sums in int64 before the one mod."""
+        terms = tokens.long() * self.weight[positions]                                  # [N, T]
+        return (torch.where(visible, terms.unsqueeze(1), 0).sum(-1) + self.prefix.view(-1, 1)) % self.M
 
-    def commit(self, keys: torch.Tensor, node: torch.Tensor, active: torch.Tensor) -> None:
-        """Streams with `active` now end at token `node[b]` of the forward that `keys` named."""
-        last = keys.gather(1, node.clamp(min=0).view(-1, 1)).squeeze(1)
-        self.prefix.copy_(torch.where(active, last, self.prefix))
+    def commit(self, keys: torch.Tensor, node: torch.Tensor | None, active: torch.Tensor) -> None:
+        """Streams with `active` now end at token `node[b]` (None: token 0) of the forward
+        that `keys` named."""
+        last = keys[:, 0] if node is None else keys.gather(1, node.clamp(min=0).view(-1, 1)).squeeze(1)
+        torch.where(active, last, self.prefix, out=self.prefix)
 
 
 class LayerHook:

@@ -545,7 +545,7 @@ class ARStep(_Stepper):
         count = active.long()
         self._record(active, count)
         if self.keys is not None:
-            s.keys.commit(self.keys, torch.zeros_like(count), active)
+            s.keys.commit(self.keys, None, active)
         s.prefix_len += count
         s.bonus.copy_(torch.where(active, self.next, s.bonus))
         s.emit(self.next.view(-1, 1), count, self.tie.view(-1, 1))
