@@ -43,9 +43,12 @@ MAX_SPLITS = 32
 # Above 8 an expert (H100, 2026-12-07 16:49, moe_crossover_check_h100_20261207-1649_stages.csv),
 # 1 split 5 stages / 2 splits 3 stages / 2 splits 4 stages: T=448 536.5/550.4/558.5, 480
 # 555.4/558.5/570.2, 512 630.0/566.9/581.9, 544 649.4/600.9/618.5, 640 682.3/654.0/676.8.
+# NG 1 4 stages / NG 2 5 stages from 0.9 an expert (H200, 2026-12-07 17:55, after the ldmatrix
+# layout, moe_crossover_check_h200_20261207-1755_ng.csv): T=40 235.4/259.9, 48 275.2/266.5, 64
+# 305.9/280.9, 80 357.2/299.0, 96 367.7/314.6; e2e c=10 budget 8 (T=90) verify MoE 22.7 -> 19.2 ms.
 TILES: list[tuple[float, int, int, int, int, int]] = [
     (0.17, 1, 4, 4, 1, 0),
-    (2.0, 1, 4, 4, 2, 0),
+    (0.9, 1, 4, 4, 2, 0),
     (10.0, 2, 5, 4, 2, 0),
     (float("inf"), 2, 3, 4, 2, 2),
 ]

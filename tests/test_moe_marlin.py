@@ -49,6 +49,9 @@ def test_work_split_and_tiles():
     assert mm.tiles_for(1, 8, 384)["ng"] == 1 and mm.tiles_for(512, 8, 384)["ng"] == 2
     assert mm.tiles_for(8, 8, 384)["w2b"] == 1 and mm.tiles_for(64, 8, 384)["w2b"] == 2
     assert mm.tiles_for(4096, 8, 384)["ng"] == 2
+    # 2 groups through 5 stages from 0.9 tokens an expert (T >= 44 at K2.6): H200 T = 40 / 48 / 64 / 96
+    assert mm.tiles_for(40, 8, 384)["ng"] == 1 and mm.tiles_for(44, 8, 384) == mm.tiles_for(96, 8, 384)
+    assert mm.tiles_for(44, 8, 384)["ng"] == 2 and mm.tiles_for(44, 8, 384)["stages"] == 5
     assert mm.tiles_for(256, 8, 384)["stages"] == 5 and mm.tiles_for(480, 8, 384)["stages"] == 5   # 10 an expert
     assert mm.tiles_for(512, 8, 384)["stages"] == 3
     assert "splits" not in mm.tiles_for(480, 8, 384) and mm.tiles_for(512, 8, 384)["splits"] == 2   # row's own count
