@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from ddbench.kernels import pdl
+from ddbench.kernels import pdl, ticket
 
 MAXE = 1024            # experts the planning program takes (one thread each)
 VECTOR = 16            # bytes of one cp.async copy; a stage is counted in these
@@ -172,20 +172,11 @@ def _key(tiles: dict) -> tuple:
     return tuple((k, tiles[k]) for k in ("ng", "stages", "warps", "w2b"))
 
 
-_TICKETS: dict = {}
-
-
 def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 ticket counters of the marlin kernels: w13's split sums and w2's k sums (every
-    launch leaves them zero; the kernels of one MoE call never run at the same time), grown
-    outside graph capture."""
-    have = _TICKETS.get(device)
-    if have is None or have.numel() < n:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("moe_marlin: call once outside CUDA-graph capture first (its ticket buffer grows)")
-        # 4 MB covers w2 at T = 9362 (K2.6 TP-8, 112 tickets a token), so graphs captured first rarely grow it
-        _TICKETS[device] = have = torch.zeros(max(n, 1 << 20), dtype=torch.int32, device=device)
-    return have
+    """Zeroed int32 ticket counters of the marlin kernels: w13's split sums and w2's k sums (the
+    kernels of one MoE call never run at the same time, so they share one key). 4 MB covers w2
+    at T = 9362 (K2.6 TP-8, 112 tickets a token), so graphs captured first rarely grow it."""
+    return ticket.counters(device, "moe_marlin", n, size=1 << 20)
 
 
 def resolve_tiles(tokens: int, top_k: int, w, device: torch.device, tiles: dict | None = None) -> dict:
