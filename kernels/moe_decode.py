@@ -54,9 +54,10 @@ def programs(n_assign: int, w) -> int:
     return max(KS * (w.inter // 64) * n_assign, w.hidden // 64)
 
 
-def shared_bytes(hidden: int, inter: int, group: int) -> int:
-    """Dynamic shared memory: the w13 rings, the w2 words and scales, the x pairs of a split."""
-    stages = 4 if group <= 64 else 2
+def shared_bytes(hidden: int, inter: int, group: int, stages: int | None = None) -> int:
+    """Dynamic shared memory: the w13 rings (`stages` deep a warp; by default the kernel's
+    STAGES13), the w2 words and scales, the x pairs of a split."""
+    stages = stages or (4 if group <= 64 else 2)
     ring = (THREADS // 32) * stages * (group // 16 * 2 * 32 + 16)
     words = MAX_ASSIGN * (inter // 16 * 32 + inter // group * 8)
     per = -(-(hidden // group) // KS)

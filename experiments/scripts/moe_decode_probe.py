@@ -189,9 +189,8 @@ def main(out: str, names: str = "product,nomath,noload,w2noload,bare,ks2,cluster
         md.KS = ks
         md._kernel = functools.lru_cache(maxsize=None)(
             lambda h, i, g, d, _src=src, _ks=ks: Kernel(_src, "decode_moe", {"H": h, "I": i, "G": g, "KS": _ks}, d))
-        if name in STAGES:                                 # the product's 4 ring stages + the variant's extra
-            md.shared_bytes = lambda h, i, g, _x=STAGES[name] - 4: \
-                orig_shared(h, i, g) + _x * (md.THREADS // 32) * (g // 16 * 2 * 32 + 16) * 16
+        if name in STAGES:                                 # the variant's deeper w13 ring
+            md.shared_bytes = lambda h, i, g, _s=STAGES[name]: orig_shared(h, i, g, stages=_s)
         try:
             us = time_us(lambda: md.fused_moe_decode(x, ids, tw, w, pdl_mode=2))
             us_off = time_us(lambda: md.fused_moe_decode(x, ids, tw, w, pdl_mode=0))
