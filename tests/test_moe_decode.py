@@ -22,7 +22,7 @@ def test_k26_launch_shape_fits_the_gpu():
     assert md.programs(1, w) == 7168 // 64                               # the w2 role sets the grid
     for group in (32, 64, 128):
         assert md.shared_bytes(7168, 256, group) + STATIC_SHARED <= 227 * 1024   # one program an SM
-    # a w13 ring stage a warp is one 32-row scale group's words (2 x 32 vectors) and scales (16)
+    # a w13 ring stage a warp: one scale group of G = 32 rows, G/16 x 2 x 32 word vectors + 16 of scales
     ring_stage = (md.THREADS // 32) * (32 // 16 * 2 * 32 + 16) * 16
     assert md.shared_bytes(7168, 256, 32, stages=7) - md.shared_bytes(7168, 256, 32) == 3 * ring_stage
     assert md.shared_bytes(7168, 256, 128, stages=2) == md.shared_bytes(7168, 256, 128)
