@@ -7,6 +7,7 @@ legend entry; titles name the run (file, date, GPU) when one run is drawn.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib
@@ -46,7 +47,8 @@ def save(fig, out: Path, name: str, fmt: str) -> Path:
     """Save a figure atomically as out/name.fmt and close it."""
     path = Path(out) / f"{name}.{fmt}"
     tmp = path.with_name(f".{path.name}.partial.{fmt}")
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:  # figures with a legend outside their panels lay out as they go
+        fig.tight_layout()
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     tmp.replace(path)
@@ -86,6 +88,32 @@ def _legend(ax, outside: bool = False, **kw):
     if len(handles) > MAX_LEGEND:  # say so rather than leave lines unexplained
         ax.text(0.01, 0.01, f"{len(handles) - MAX_LEGEND} more series not in the legend: choose fewer with --runs",
                 transform=ax.transAxes, fontsize=7, color="red")
+
+
+def _fig_legend(fig, axes):
+    """One legend below a row of panels that draw the same series (a constrained-layout figure),
+    each name once, instead of a legend in every panel over its data."""
+    seen = {}
+    for ax in axes:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(name, handle)
+    names = list(seen)[:MAX_LEGEND]
+    if names:
+        fig.legend([seen[n] for n in names], names, loc="outside lower center", ncol=min(3, len(names)), fontsize=7)
+    if len(seen) > MAX_LEGEND:
+        fig.text(0.01, 0.01, f"{len(seen) - MAX_LEGEND} more series not in the legend: choose fewer with --runs",
+                 fontsize=7, color="red")
+
+
+def _wrap(name: str, width: int = 12) -> str:
+    """A long series name over lines of about `width` characters, broken after '-' or ':'
+    ('rank:dflash-k25-gsm8k-paper' -> 'rank:dflash-', 'k25-gsm8k-', 'paper'), for tick labels."""
+    lines = [""]
+    for part in re.split(r"(?<=[-:])", name):
+        if lines[-1] and len(lines[-1]) + len(part) > width:
+            lines.append("")
+        lines[-1] += part
+    return "\n".join(lines)
 
 
 def _bytes(v, _pos=None) -> str:
@@ -365,7 +393,7 @@ def e2e(runs, labels, out, fmt, reference=None):
     ar = df[df["decoder"] == "ar"]
     concs = sorted(df["concurrency"].dropna().unique())
     if len(spec):
-        fig, axes = plt.subplots(1, len(concs), figsize=(6.5 * len(concs), 4.6), squeeze=False)
+        fig, axes = plt.subplots(1, len(concs), figsize=(6.5 * len(concs), 5.6), squeeze=False, layout="constrained")
         for ax, c in zip(axes[0], concs):
             s = spec[spec["concurrency"] == c]
             for prof, g in s.groupby("_profile"):
@@ -381,7 +409,7 @@ def e2e(runs, labels, out, fmt, reference=None):
             _log2_x(ax)
             ax.set(xlabel="tree budget (nodes per stream)", ylabel="output tok/s (steady: every stream generating)", title=f"c={int(c)}")
             ax.grid(alpha=0.3)
-            _legend(ax)
+        _fig_legend(fig, axes[0])
         fig.suptitle(f"e2e: tok/s vs budget\n{where}", fontsize=10)
         made.append(("e2e: tok/s vs budget", save(fig, out, "e2e_budget", fmt)))
     if acc and len(spec):
@@ -404,7 +432,7 @@ def e2e(runs, labels, out, fmt, reference=None):
     best = df.dropna(subset=["_tps"])
     best = best.loc[best.groupby(SERIES)["_tps"].idxmax()]
     if len(best):
-        xl = [("AR" if r["decoder"] == "ar" else r["_profile"])
+        xl = [("AR" if r["decoder"] == "ar" else _wrap(r["_profile"]))
               + f"\nc={int(r['concurrency'])}" + (f" b={int(r['budget'])}" if r["decoder"] != "ar" else "")
               for _, r in best.iterrows()]
         fig, ax = plt.subplots(figsize=(min(16, max(8.5, 1.1 * len(xl) + 4)), 4.8))
