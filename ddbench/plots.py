@@ -357,7 +357,7 @@ SERIES = ["decoder", "_profile", "_routing", "concurrency"]     # one e2e series
 def e2e_frame(runs, labels=None) -> pd.DataFrame:
     """All e2e rows; `_profile` names the series: the acceptance profile, and the run (by
     what differs) where several runs measured the same profile at the same concurrency."""
-    frames = [df.assign(_run=run.name, _rl=(labels or {}).get(run.name, run.name)) for run, df in runs
+    frames = [df.assign(_run=run.name, _rl=(labels or {}).get(run.name, run.name), _gpu=getattr(run, "gpu", "")) for run, df in runs
               if "decoder" in df]
     if not frames:
         return pd.DataFrame()
@@ -449,7 +449,7 @@ def e2e(runs, labels, out, fmt, reference=None):
 # ----------------------------------------------------------------------------- baseline
 def baseline(runs, labels, out, fmt, engine=None):
     """Output tok/s vs concurrency: each baseline series, and the engine's best (`engine`:
-    [(name, {concurrency: tok/s})])."""
+    [(name, {concurrency: tok/s}, {concurrency: note printed under the value})])."""
     series = []
     for run, df in runs:
         if run.kind != "baseline" or not {"concurrency", "output_tok_per_s"} <= set(df.columns):
@@ -458,18 +458,19 @@ def baseline(runs, labels, out, fmt, engine=None):
         key = d["label"].astype(str) if "label" in d else pd.Series(run.name, index=d.index)
         for name, g in d.groupby(key):
             g = g.groupby("c")["t"].max().sort_index()
-            series.append((name, "s--", g))  # the label column names the server
-    for name, pts in engine or []:
-        series.append((name, "o-", pd.Series(pts).sort_index()))
+            series.append((name, "s--", g, {}))  # the label column names the server
+    for name, pts, notes in engine or []:
+        series.append((name, "o-", pd.Series(pts).sort_index(), notes))
     made = _latency_cdf(runs, labels, out, fmt)
     if not series:
         return made
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     allc = set()
-    for name, style, g in series:
+    for name, style, g, notes in series:
         ax.plot(g.index, g.values, style, label=name)
         for c, t in g.items():
-            ax.annotate(f"{t:.0f}", (c, t), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+            text = f"{t:.0f}" + (f" ({notes[c]})" if notes.get(c) else "")
+            ax.annotate(text, (c, t), textcoords="offset points", xytext=(6, -3), ha="left", fontsize=7)
         allc |= set(g.index)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(allc), [f"{c:g}" for c in sorted(allc)])

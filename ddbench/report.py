@@ -298,8 +298,11 @@ def reference_rows(found: list[Run], chosen: dict) -> dict[int, list[tuple[str, 
     return ref
 
 
-def summary(by_cmd: dict, reference: dict) -> list[str]:
-    """Engine vs SGLang at concurrency 1 and 10."""
+def engine_best(by_cmd: dict) -> tuple[dict, bool]:
+    """The engine's best tok/s at each concurrency, from the honest rows where any have them:
+    {"decode" | "ar" | "ddtree": {c: (tok/s, setting, gpu)}} ("ar": e2e's AR rows; "ddtree": a
+    named rank profile where any honest row has one; setting: its profile and budget), and
+    whether the DDTree rows all ran the random-weight router."""
     import pandas as pd
 
     from ddbench.plots import e2e_frame, num
@@ -310,14 +313,18 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
         h = d.assign(_honest=[honest_routing(r) for _, r in d.iterrows()])
         return h[h._honest] if h._honest.any() else h
 
-    dec = {}
-    frames = [df for _, df in by_cmd.get("decode", []) if "concurrency" in df]
+    best = {"decode": {}, "ar": {}, "ddtree": {}}
+
+    def keep(which, c, tps, setting, gpu):
+        if tps > best[which].get(c, (0.0,))[0]:
+            best[which][c] = (float(tps), setting, gpu)
+
+    frames = [df.assign(_gpu=getattr(run, "gpu", "")) for run, df in by_cmd.get("decode", []) if "concurrency" in df]
     if frames:
         d = honest_first(pd.concat(frames, ignore_index=True))
-        for c, t in zip(num(d, "concurrency"), num(d, "output_tok_per_s")):
+        for c, t, gpu in zip(num(d, "concurrency"), num(d, "output_tok_per_s"), d["_gpu"]):
             if t == t:
-                dec[int(c)] = max(dec.get(int(c), 0), t)
-    spec, ar = {}, {}
+                keep("decode", int(c), t, "", gpu)
     df = e2e_frame(by_cmd.get("e2e", []))
     flattered = False
     if not df.empty:
@@ -331,10 +338,18 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
                 break
         flattered = not dd.empty and not dd._honest.any()
         for _, r in pd.concat([honest_first(df[df.decoder != "ddtree"]), dd]).iterrows():
-            c = int(r["concurrency"])
-            which = spec if r["decoder"] == "ddtree" else ar
-            if r["_tps"] > which.get(c, (0, ""))[0]:
-                which[c] = (r["_tps"], r["_profile"] + (f" b={int(r['budget'])}" if r["decoder"] != "ar" else ""))
+            tree = r["decoder"] == "ddtree"
+            keep("ddtree" if tree else "ar", int(r["concurrency"]), r["_tps"],
+                 r["_profile"] + (f" b={int(r['budget'])}" if tree else ""), r["_gpu"])
+    return best, flattered
+
+
+def summary(by_cmd: dict, reference: dict) -> list[str]:
+    """Engine vs SGLang at concurrency 1 and 10."""
+    best, flattered = engine_best(by_cmd)
+    dec = {c: v[0] for c, v in best["decode"].items()}
+    ar = {c: v[:2] for c, v in best["ar"].items()}
+    spec = {c: v[:2] for c, v in best["ddtree"].items()}
     rows = []
     for c in KEY_CONCURRENCY:
         ref = max((t for _, t in reference.get(c, [])), default=None)
@@ -448,25 +463,20 @@ def run(paths, out: Path, fmt: str = "png", runs: str | None = None, results_md:
     return report
 
 
-def _engine_series(by_cmd) -> list[tuple[str, dict]]:
-    """The engine's best tok/s at each concurrency: decode (AR) and e2e (DDTree)."""
-    from ddbench.plots import e2e_frame, num
-
+def _engine_series(by_cmd) -> list[tuple[str, dict, dict]]:
+    """The plot's engine lines, from `engine_best`: AR (the better of decode and e2e's AR rows)
+    and DDTree, each named with its GPUs, DDTree's points noted with their profile and budget."""
+    best, _ = engine_best(by_cmd)
+    ar = dict(best["ar"])
+    for c, v in best["decode"].items():
+        if v[0] > ar.get(c, (0.0,))[0]:
+            ar[c] = v
     series = []
-    dec = {}
-    for run, df in by_cmd.get("decode", []):
-        if "concurrency" in df:
-            for c, t in zip(num(df, "concurrency"), num(df, "output_tok_per_s")):
-                if t == t:
-                    dec[int(c)] = max(dec.get(int(c), 0.0), float(t))
-    if dec:
-        series.append(("engine decode (AR), latest run", dec))
-    df = e2e_frame(by_cmd.get("e2e", []))
-    if not df.empty:
-        s = df[df["decoder"] == "ddtree"].dropna(subset=["_tps"])
-        best = s.groupby("concurrency")["_tps"].max()
-        if len(best):
-            series.append(("engine e2e DDTree, best profile and budget", {int(c): float(t) for c, t in best.items()}))
+    for name, pts, noted in (("engine AR", ar, False), ("engine DDTree", best["ddtree"], True)):
+        if pts:
+            gpus = ", ".join(sorted({str(v[2]) for v in pts.values()}))
+            series.append((f"{name} ({gpus})", {c: v[0] for c, v in pts.items()},
+                           {c: v[1] for c, v in pts.items()} if noted else {}))
     return series
 
 

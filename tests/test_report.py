@@ -190,16 +190,21 @@ def test_headline_ar_rows_are_the_honest_ones():
 
     import pandas as pd
 
-    from ddbench.report import summary
+    from ddbench.report import _engine_series, summary
 
-    def run(name, **row):
-        return (SimpleNamespace(name=name), pd.DataFrame([{"concurrency": 10, "mode": "simulated", **row}]))
+    def run(name, gpu="h100", **row):
+        return (SimpleNamespace(name=name, gpu=gpu), pd.DataFrame([{"concurrency": 10, "mode": "simulated", **row}]))
 
     e2e = [run("u", decoder="ar", routing="uniform", output_tok_per_s=727.0, acceptance="none"),
-           run("m", decoder="ar", routing="model", output_tok_per_s=746.0, acceptance="none")]
+           run("m", decoder="ar", routing="model", output_tok_per_s=746.0, acceptance="none"),
+           run("t", "h200", decoder="ddtree", routing="uniform", output_tok_per_s=1400.0, budget=8,
+               acceptance="rank:p")]
     dec = [run("du", routing="uniform", output_tok_per_s=748.0), run("dm", routing="model", output_tok_per_s=767.0)]
     text = "\n".join(summary({"e2e": e2e, "decode": dec}, {10: [("SGLang", 517.0)]}))
     assert "| 727 |" in text and "| 748 |" in text and "746" not in text and "767" not in text
+    # the report's throughput plot draws the same rows, each line naming its GPU
+    assert _engine_series({"e2e": e2e, "decode": dec}) == [
+        ("engine AR (h100)", {10: 748.0}, {}), ("engine DDTree (h200)", {10: 1400.0}, {10: "rank:p b=8"})]
 
 
 def test_e2e_table_keeps_a_series_per_routing_and_ranks_by_the_steady_rate():
