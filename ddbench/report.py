@@ -300,9 +300,10 @@ def reference_rows(found: list[Run], chosen: dict) -> dict[int, list[tuple[str, 
 
 def engine_best(by_cmd: dict) -> tuple[dict, bool]:
     """The engine's best tok/s at each concurrency, from the honest rows where any have them:
-    {"decode" | "ar" | "ddtree": {c: (tok/s, setting, gpu)}} ("ar": e2e's AR rows; "ddtree": a
-    named rank profile where any honest row has one; setting: its profile and budget), and
-    whether the DDTree rows all ran the random-weight router."""
+    {"decode" | "ar" | "ddtree" | "ddtree_low": {c: (tok/s, setting, gpu)}} ("ar": e2e's AR rows;
+    "ddtree": the best row of a named rank profile where any honest row has one, "ddtree_low":
+    the best row of the profile whose best is lowest, the other end of the acceptance bracket;
+    setting: profile and budget), and whether the DDTree rows all ran the random-weight router."""
     import pandas as pd
 
     from ddbench.plots import e2e_frame, num
@@ -314,10 +315,12 @@ def engine_best(by_cmd: dict) -> tuple[dict, bool]:
         return h[h._honest] if h._honest.any() else h
 
     best = {"decode": {}, "ar": {}, "ddtree": {}}
+    profiles = {}   # (c, profile) -> its best DDTree row
 
-    def keep(which, c, tps, setting, gpu):
-        if tps > best[which].get(c, (0.0,))[0]:
-            best[which][c] = (float(tps), setting, gpu)
+    def keep(which, c, tps, setting, gpu, into=None):
+        into = best[which] if into is None else into
+        if tps > into.get(c, (0.0,))[0]:
+            into[c] = (float(tps), setting, gpu)
 
     frames = [df.assign(_gpu=getattr(run, "gpu", "")) for run, df in by_cmd.get("decode", []) if "concurrency" in df]
     if frames:
@@ -339,8 +342,14 @@ def engine_best(by_cmd: dict) -> tuple[dict, bool]:
         flattered = not dd.empty and not dd._honest.any()
         for _, r in pd.concat([honest_first(df[df.decoder != "ddtree"]), dd]).iterrows():
             tree = r["decoder"] == "ddtree"
-            keep("ddtree" if tree else "ar", int(r["concurrency"]), r["_tps"],
-                 r["_profile"] + (f" b={int(r['budget'])}" if tree else ""), r["_gpu"])
+            c, setting = int(r["concurrency"]), r["_profile"] + (f" b={int(r['budget'])}" if tree else "")
+            keep("ddtree" if tree else "ar", c, r["_tps"], setting, r["_gpu"])
+            if tree:
+                keep(None, (c, r["_profile"]), r["_tps"], setting, r["_gpu"], into=profiles)
+    best["ddtree_low"] = {}
+    for (c, _), v in profiles.items():
+        if v[0] < best["ddtree_low"].get(c, (float("inf"),))[0]:
+            best["ddtree_low"][c] = v
     return best, flattered
 
 
@@ -350,13 +359,18 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
     dec = {c: v[0] for c, v in best["decode"].items()}
     ar = {c: v[:2] for c, v in best["ar"].items()}
     spec = {c: v[:2] for c, v in best["ddtree"].items()}
+    low = {c: v[:2] for c, v in best["ddtree_low"].items()}
     rows = []
     for c in KEY_CONCURRENCY:
         ref = max((t for _, t in reference.get(c, [])), default=None)
         ar_best = max([v for v in (dec.get(c), ar.get(c, (None,))[0]) if v], default=None)
         sp, setting = spec.get(c, (None, ""))
-        rows.append([c, ref, dec.get(c), ar.get(c, (None,))[0], sp, setting,
-                     f"{ar_best / ref:.2f}x" if ref and ar_best else None, f"{sp / ref:.2f}x" if ref and sp else None])
+        lo, lo_setting = low.get(c, (None, ""))
+        ratio = None
+        if ref and sp:
+            ratio = f"{sp / ref:.2f}x" if lo == sp else f"{lo / ref:.2f}-{sp / ref:.2f}x"
+        rows.append([c, ref, dec.get(c), ar.get(c, (None,))[0], sp, setting, lo, lo_setting,
+                     f"{ar_best / ref:.2f}x" if ref and ar_best else None, ratio])
     if not any(any(v is not None for v in r[1:5]) for r in rows):
         return []
     notes = []
@@ -375,12 +389,14 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
         notes.append("DDTree rows with a `synthetic:N` profile assume that acceptance (mean accepted length set "
                      "by the profile) instead of a trained drafter's")
     text = ("Output tok/s of all streams at each concurrency c, from the runs named in the sections below "
-            "(their command lines say what was measured). SGLang's figures are the reported reference.")
+            "(their command lines say what was measured). SGLang's figures are the reported reference. "
+            "DDTree's acceptance is a profile's assumption, so its two columns are the profiles whose best "
+            "budgets give the most and the least tok/s.")
     if notes:
         text += " Caveats: " + "; ".join(notes) + "."
     return ["## Engine vs SGLang", "", text, ""] + md_table(
-        ["c", "SGLang reference", "engine decode (AR)", "engine e2e AR", "engine e2e DDTree", "DDTree setting",
-         "AR / SGLang", "DDTree / SGLang"], rows)
+        ["c", "SGLang reference", "engine decode (AR)", "engine e2e AR", "engine e2e DDTree (best profile)", "DDTree setting",
+         "DDTree (weakest profile)", "its setting", "AR / SGLang", "DDTree / SGLang"], rows)
 
 
 TABLES = {"moe-sweep": table_moe, "allreduce": table_allreduce, "tree-bench": table_tree,

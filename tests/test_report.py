@@ -179,6 +179,11 @@ def test_headline_ddtree_row_is_the_honest_one():
     honest.append((SimpleNamespace(name="r3"), frame("uniform", float("nan"), "rank:x")))   # an unfinished row
     text = "\n".join(summary({"e2e": honest + old}, {1: [("SGLang", 138.0)]}))
     assert "| 300 |" in text and "900" not in text and "flatters" not in text
+    # a second rank profile: the table gives both ends of the acceptance bracket
+    weak = [(SimpleNamespace(name="r4"), pd.concat([frame("uniform", 200.0, "rank:weak"),
+                                                     frame("uniform", 250.0, "rank:weak").assign(budget=16)]))]
+    text = "\n".join(summary({"e2e": honest + weak}, {1: [("SGLang", 138.0)]}))
+    assert "| 300 | rank:dflash-k25-gsm8k-paper b=8 | 250 | rank:weak b=16 |" in text and "| 1.81-2.17x |" in text
     text = "\n".join(summary({"e2e": old}, {1: [("SGLang", 138.0)]}))
     assert "900" in text and "flatters" in text
 
