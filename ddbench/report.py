@@ -481,14 +481,18 @@ def run(paths, out: Path, fmt: str = "png", runs: str | None = None, results_md:
 
 def _engine_series(by_cmd) -> list[tuple[str, dict, dict]]:
     """The plot's engine lines, from `engine_best`: AR (the better of decode and e2e's AR rows)
-    and DDTree, each named with its GPUs, DDTree's points noted with their profile and budget."""
+    and DDTree at its best and weakest profile, each named with its GPUs, DDTree's points noted
+    with their profile and budget."""
     best, _ = engine_best(by_cmd)
     ar = dict(best["ar"])
     for c, v in best["decode"].items():
         if v[0] > ar.get(c, (0.0,))[0]:
             ar[c] = v
     series = []
-    for name, pts, noted in (("engine AR", ar, False), ("engine DDTree", best["ddtree"], True)):
+    low = best["ddtree_low"] if best["ddtree_low"] != best["ddtree"] else {}  # one profile: one line
+    for name, pts, noted in (("engine AR", ar, False),
+                             ("engine DDTree, best profile" if low else "engine DDTree", best["ddtree"], True),
+                             ("engine DDTree, weakest profile", low, True)):
         if pts:
             gpus = ", ".join(sorted({str(v[2]) for v in pts.values()}))
             series.append((f"{name} ({gpus})", {c: v[0] for c, v in pts.items()},

@@ -114,7 +114,7 @@ def test_report_latest_runs_tables_and_plots(tree, tmp_path, legends):
         assert (out / f"{name}.png").stat().st_size > 1000, name
         assert f"({name}.png)" in text
     assert legends and all(0 < n <= plots.MAX_LEGEND for ns in legends.values() for n in ns), legends
-    assert legends["baseline_throughput"] == [4]  # local, SGLang reference, engine decode, engine DDTree
+    assert legends["baseline_throughput"] == [5]  # local, SGLang reference, engine AR, DDTree best / weakest
     assert legends["baseline_latency_cdf"] == [2]  # c=1 and c=4 of the latest baseline run
     assert len(legends["e2e_budget"]) == 1         # one legend below both concurrency panels
     assert "| local | 1 |" in text and "| 1 | 138 |" in text
@@ -210,6 +210,11 @@ def test_headline_ar_rows_are_the_honest_ones():
     # the report's throughput plot draws the same rows, each line naming its GPU
     assert _engine_series({"e2e": e2e, "decode": dec}) == [
         ("engine AR (h100)", {10: 748.0}, {}), ("engine DDTree (h200)", {10: 1400.0}, {10: "rank:p b=8"})]
+    e2e.append(run("w", "h200", decoder="ddtree", routing="uniform", output_tok_per_s=900.0, budget=8,
+                   acceptance="rank:w"))
+    assert [name for name, *_ in _engine_series({"e2e": e2e})] == [
+        "engine AR (h100)", "engine DDTree, best profile (h200)", "engine DDTree, weakest profile (h200)"]
+    assert _engine_series({"e2e": e2e})[-1][1:] == ({10: 900.0}, {10: "rank:w b=8"})
 
 
 def test_e2e_table_keeps_a_series_per_routing_and_ranks_by_the_steady_rate():
