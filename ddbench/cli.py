@@ -143,7 +143,7 @@ def report(
                                        "run names (parts of file names) to compare (default: the latest "
                                        "run of each command)."),
     results_md: Optional[Path] = typer.Option(None, "--results-md", help="Also write the tables (no plots) "
-                                              "to this Markdown file, e.g. docs/RESULTS.md."),
+                                              "to this Markdown file, e.g. docs/RESULTS.md; in a git work tree, from committed runs only."),
 ):
     """Report the latest run of each command (tables + plots) in OUT/report.md."""
     from ddbench.report import run

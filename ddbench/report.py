@@ -7,7 +7,8 @@ file name contains A or B (to compare them: plot series are labelled by what dif
 between their command lines). A CSV given by path is always reported. Each command gets a
 table of its key numbers, naming the run (file, date, GPU, command line) and marking an
 interrupted run, then its plots. `--results-md` also writes the tables alone, with no
-plots, as a Markdown file (docs/RESULTS.md is generated this way from results/).
+plots, as a Markdown file (docs/RESULTS.md is generated this way from results/); inside a git
+work tree it then reports committed runs only.
 """
 from __future__ import annotations
 
@@ -22,13 +23,34 @@ KEY_CONCURRENCY = (1, 10)
 
 
 # ----------------------------------------------------------------------------- selection
-def select(paths, runs_opt: str | None) -> tuple[list[Run], list[Run]]:
-    """-> (every run found, the runs to report)."""
+def committed(path: Path) -> set[Path] | None:
+    """The files under `path` that git tracks (resolved), or None outside a git work tree."""
+    import subprocess
+
+    path = Path(path)
+    where, what = (path, ".") if path.is_dir() else (path.parent, path.name)
+    try:
+        out = subprocess.run(["git", "-C", str(where), "ls-files", "-z", "--", what],
+                             capture_output=True, check=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {(where / f).resolve() for f in out.split("\0") if f}
+
+
+def select(paths, runs_opt: str | None, committed_only: bool = False) -> tuple[list[Run], list[Run]]:
+    """-> (every run found, the runs to report); with `committed_only`, inside a git work tree,
+    only runs whose CSV git tracks (a local run never becomes a documented figure)."""
     found: list[Run] = []
     explicit: list[Run] = []
     for p in paths:
         p = Path(p)
         rs = list_runs(p)
+        tracked = committed(p) if committed_only else None
+        if tracked is not None:
+            left = [r for r in rs if r.csv.resolve() not in tracked]
+            if left:
+                print(f"note: {len(left)} run(s) under {p} not committed to git left out, e.g. {left[-1].csv}")
+            rs = [r for r in rs if r.csv.resolve() in tracked]
         found += rs
         if p.is_file():
             if not rs:
@@ -431,7 +453,7 @@ def run(paths, out: Path, fmt: str = "png", runs: str | None = None, results_md:
     if missing:
         raise UserError(f"no such file or folder: {', '.join(missing)}")
     out = ensure_out_dir(out)
-    found, chosen = select(paths, runs)
+    found, chosen = select(paths, runs, committed_only=results_md is not None)
     by_cmd: dict[str, list] = {}
     for r in chosen:
         df = load(r)

@@ -241,3 +241,21 @@ def test_e2e_table_keeps_a_series_per_routing_and_ranks_by_the_steady_rate():
 def test_long_series_names_wrap_for_tick_labels():
     assert plots._wrap("rank:dflash-k25-gsm8k-paper") == "rank:dflash-\nk25-gsm8k-\npaper"
     assert plots._wrap("synthetic:6") == "synthetic:6" and plots._wrap("abcdefghijklmnopq") == "abcdefghijklmnopq"
+
+
+def test_results_md_reports_committed_runs_only(tree, tmp_path):
+    """A run left on disk (a local `make bench`, say) never becomes RESULTS.md's figure; the
+    plain report still shows it."""
+    import subprocess
+
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "results"], check=True)
+    subprocess.run(git + ["commit", "-qm", "runs"], check=True)
+    rows = pd.read_csv(tree / "h200/moe-sweep/20261203-100000_new.csv").to_dict("records")
+    write(tree, "cpu/moe-sweep/20261205-100000_local.csv", rows,
+          {"kind": "moe_sweep", "started_at": "2026-12-05T10:00:00+00:00", "command": "ddbench moe-sweep", "tp": 8})
+    md = tmp_path / "RESULTS.md"
+    run([tree], tmp_path / "a", "png", results_md=md)
+    assert "20261203-100000_new.csv" in md.read_text() and "_local" not in md.read_text()
+    assert "_local" in run([tree], tmp_path / "b", "png").read_text()
