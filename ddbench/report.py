@@ -339,17 +339,16 @@ def engine_best(by_cmd: dict) -> tuple[dict, bool]:
     best = {"decode": {}, "ar": {}, "ddtree": {}}
     profiles = {}   # (c, profile) -> its best DDTree row
 
-    def keep(which, c, tps, setting, gpu, into=None):
-        into = best[which] if into is None else into
-        if tps > into.get(c, (0.0,))[0]:
-            into[c] = (float(tps), setting, gpu)
+    def keep(into: dict, key, tps, setting, gpu):
+        if tps > into.get(key, (0.0,))[0]:
+            into[key] = (float(tps), setting, gpu)
 
     frames = [df.assign(_gpu=getattr(run, "gpu", "")) for run, df in by_cmd.get("decode", []) if "concurrency" in df]
     if frames:
         d = honest_first(pd.concat(frames, ignore_index=True))
         for c, t, gpu in zip(num(d, "concurrency"), num(d, "output_tok_per_s"), d["_gpu"]):
             if t == t:
-                keep("decode", int(c), t, "", gpu)
+                keep(best["decode"], int(c), t, "", gpu)
     df = e2e_frame(by_cmd.get("e2e", []))
     flattered = False
     if not df.empty:
@@ -365,9 +364,9 @@ def engine_best(by_cmd: dict) -> tuple[dict, bool]:
         for _, r in pd.concat([honest_first(df[df.decoder != "ddtree"]), dd]).iterrows():
             tree = r["decoder"] == "ddtree"
             c, setting = int(r["concurrency"]), r["_profile"] + (f" b={int(r['budget'])}" if tree else "")
-            keep("ddtree" if tree else "ar", c, r["_tps"], setting, r["_gpu"])
+            keep(best["ddtree" if tree else "ar"], c, r["_tps"], setting, r["_gpu"])
             if tree:
-                keep(None, (c, r["_profile"]), r["_tps"], setting, r["_gpu"], into=profiles)
+                keep(profiles, (c, r["_profile"]), r["_tps"], setting, r["_gpu"])
     best["ddtree_low"] = {}
     for (c, _), v in profiles.items():
         if v[0] < best["ddtree_low"].get(c, (float("inf"),))[0]:
