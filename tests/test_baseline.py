@@ -462,7 +462,7 @@ def test_stream_that_ends_after_finish_or_usage_without_done_is_complete(api, us
 
 
 def test_chat_completions_match_schedule(tmp_path):
-    ttft, gap, n = 0.3, 0.1, 6
+    ttft, gap, n = 0.3, 0.2, 6
     with TestServer(Schedule(ttft_s=ttft, gap_s=gap, usage="final")) as s:
         [row], reqs, summary, requests = measure(s, "openai-chat", concurrency=[2], num_prompts=4,
                                                  output_len=n, warmup=2, out=tmp_path)
