@@ -79,15 +79,21 @@ def run_label(run, labels, runs) -> str:
     return (lab[:57] + "...") if len(lab) > 60 else lab
 
 
+def _put_legend(owner, handles, names, **kw):
+    """`owner.legend` (an Axes or a Figure) of at most MAX_LEGEND entries, saying in red how many
+    were left out rather than leave lines unexplained."""
+    if handles:
+        owner.legend(handles[:MAX_LEGEND], names[:MAX_LEGEND], fontsize=7, **kw)
+    if len(handles) > MAX_LEGEND:
+        where = owner.transAxes if hasattr(owner, "transAxes") else owner.transFigure
+        owner.text(0.01, 0.01, f"{len(handles) - MAX_LEGEND} more series not in the legend: choose fewer with --runs",
+                   transform=where, fontsize=7, color="red")
+
+
 def _legend(ax, outside: bool = False, **kw):
-    handles, names = ax.get_legend_handles_labels()
     if outside:
         kw.update(loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    if handles:
-        ax.legend(handles[:MAX_LEGEND], names[:MAX_LEGEND], fontsize=7, **kw)
-    if len(handles) > MAX_LEGEND:  # say so rather than leave lines unexplained
-        ax.text(0.01, 0.01, f"{len(handles) - MAX_LEGEND} more series not in the legend: choose fewer with --runs",
-                transform=ax.transAxes, fontsize=7, color="red")
+    _put_legend(ax, *ax.get_legend_handles_labels(), **kw)
 
 
 def _fig_legend(fig, axes):
@@ -97,12 +103,8 @@ def _fig_legend(fig, axes):
     for ax in axes:
         for handle, name in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(name, handle)
-    names = list(seen)[:MAX_LEGEND]
-    if names:
-        fig.legend([seen[n] for n in names], names, loc="outside lower center", ncol=min(3, len(names)), fontsize=7)
-    if len(seen) > MAX_LEGEND:
-        fig.text(0.01, 0.01, f"{len(seen) - MAX_LEGEND} more series not in the legend: choose fewer with --runs",
-                 fontsize=7, color="red")
+    _put_legend(fig, list(seen.values()), list(seen), loc="outside lower center",
+                ncol=min(3, max(len(seen), 1)))
 
 
 def _wrap(name: str, width: int = 12) -> str:

@@ -259,3 +259,20 @@ def test_results_md_reports_committed_runs_only(tree, tmp_path):
     run([tree], tmp_path / "a", "png", results_md=md)
     assert "20261203-100000_new.csv" in md.read_text() and "_local" not in md.read_text()
     assert "_local" in run([tree], tmp_path / "b", "png").read_text()
+
+
+def test_legends_cap_their_entries_and_say_how_many_were_left_out():
+    import matplotlib.pyplot as plt
+
+    n = plots.MAX_LEGEND + 2
+    fig, axes = plt.subplots(1, 2, layout="constrained")
+    for ax in axes:
+        for i in range(n):
+            ax.plot([0, 1], [i, i], label=f"s{i}")
+    plots._fig_legend(fig, axes)                     # both panels' series, each name once
+    plots._legend(axes[0])
+    assert len(fig.legends) == 1 and len(fig.legends[0].get_texts()) == plots.MAX_LEGEND
+    assert len(axes[0].get_legend().get_texts()) == plots.MAX_LEGEND
+    for owner in (fig, axes[0]):
+        assert [t.get_text() for t in owner.texts] == ["2 more series not in the legend: choose fewer with --runs"]
+    plt.close(fig)
