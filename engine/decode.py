@@ -61,7 +61,7 @@ def decode_forward(model: Transformer, tok: torch.Tensor, prefix_len: torch.Tens
     b = tok.shape[0]
     pos = prefix_len.long().view(b, 1)                                          # [B, 1] rope positions
     if routing is not None:
-        routing.set_key(keys)
+        routing.key = keys
     logits, _ = model(tok, pos, cache, prefix_len, visible)                     # [B, 1, V]
     if routing is not None:
         routing.key = None

@@ -74,7 +74,7 @@ class Routing:
         self.n_experts, self.top_k = n_experts, top_k
         self.device = torch.device(device)
         self.tree: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        self.key: torch.Tensor | None = None      # [N, T] long: one key per token of the forward
+        self.key: torch.Tensor | None = None      # the forward's tokens' `PrefixKeys` ([N, T] long); None: unkeyed
         self.seed, self.pdl_mode = seed, pdl_mode
         self.touched = torch.zeros(MAX_T, dtype=torch.int64, device=self.device)     # sum of distinct counts
         self.calls = torch.zeros(MAX_T, dtype=torch.int64, device=self.device)
@@ -100,10 +100,6 @@ class Routing:
         sl = slice(None) if t is None else min(t, MAX_T - 1)
         calls = float(self.calls[sl].sum())
         return float(self.touched[sl].sum()) / calls if calls else None
-
-    def set_key(self, keys: torch.Tensor | None) -> None:
-        """Name the next forward's tokens (`[N, T]` long, `PrefixKeys`) for keyed draws; None: unkeyed."""
-        self.key = keys
 
     def draw(self, n: int) -> torch.Tensor:
         """`n` uniform top-k rows `[n, k]` int32 from a random offset (overlap's candidates)."""

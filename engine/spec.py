@@ -231,7 +231,7 @@ class Session:
             start = torch.full((n,), c0, dtype=torch.long, device=dev)
             keys = self.keys.prompt(tokens[:, c0:c1], pos, pos < lens_t.view(n, 1))
             if self.routing is not None:
-                self.routing.set_key(keys)
+                self.routing.key = keys
             logits, hid = self.model(tokens[:, c0:c1], pos, self.cache, start, vis, self.hidden_layers)
             if self.routing is not None:
                 self.routing.key = None
@@ -623,7 +623,7 @@ class SpecStep(_Stepper):
         self.keys = None
         if s.routing is not None:                                   # keyed draws; overlap follows the tree
             self.keys = s.keys.tree(self.token, positions, self.visible)
-            s.routing.set_key(self.keys)
+            s.routing.key = self.keys
             s.routing.tree = (self.parent, self.depth_of, self.depth)
         logits, self.hid = s.model(self.token, positions, s.cache, s.prefix_len, self.visible, s.hidden_layers)
         if s.routing is not None:

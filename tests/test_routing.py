@@ -55,12 +55,12 @@ def test_keyed_draws_depend_only_on_the_key_and_layer():
     r = Routing("uniform", E, K, "cpu", seed=1)
     keys = torch.randint(0, PrefixKeys.M, (2, 5))
     ids, w = router_ids(10, 3)
-    r.set_key(keys)
+    r.key = keys
     a, _ = r(ids, w, 2, 5, layer=1)
     b, _ = r(ids.flip(0), w, 2, 5, layer=1)
     c, _ = r(ids, w, 2, 5, layer=2)
     assert torch.equal(a, b) and not torch.equal(a, c)
-    r.set_key(keys[:1, 2:3])                                                # same key alone: same experts
+    r.key = keys[:1, 2:3]                                                    # same key alone: same experts
     d, _ = r(ids[:1], w[:1], 1, 1, layer=1)
     assert torch.equal(d[0], a[2])
 
