@@ -15,6 +15,12 @@ copy of the source, compiled beside it on the device):
   sum2       the w2 role's split sum with both of a thread's passes' L2 loads issued before
              either's maths (one L2 round trip after the wait instead of two)
   fast       ring7 + sum2
+  w2late     the w2 role's words and scales issued after the program's w13 role (its stream,
+             split store and count) instead of before it: the w13 stream, the critical path,
+             has the SM's bandwidth alone (the w2 copy was the oldest cp.async group, so the
+             ring's first wait waited for all 64 KB of it) and the w2 copy overlaps the wait
+             for the other programs' units
+  late_sum2  w2late + sum2
 and KS = 2 (K splits a unit; more would need more programs than SMs). CSV to argv[1].
     python3 -m experiments.scripts.moe_decode_probe OUT.csv [VARIANT,...]
 """
@@ -76,6 +82,21 @@ PATCHES["sum2"] = [(SUM_LOOP, """    float4 pv[2][2 * KS];                      
             const float4 gv = pv[h][2 * r], uv = pv[h][2 * r + 1];
 """)]
 PATCHES["fast"] = PATCHES["ring7"] + PATCHES["sum2"]
+W2_COPY = """    if (has2) {
+        for (int i = threadIdx.x; i < n * KTI * 32; i += THREADS) {
+            const int j = i / (KTI * 32), kt = i / 32 % KTI;
+            cp_async16(smem_addr(words + i), w2 + ((long)ids[j] * KTI + kt) * (2 * H) + pid * 128 + 4 * (i % 32));
+        }
+        for (int i = threadIdx.x; i < n * GI * 8; i += THREADS) {
+            const int j = i / (GI * 8), grp = i / 8 % GI;
+            cp_async16(smem_addr(words + MAXN * KTI * 32 + i), s2 + ((long)ids[j] * GI + grp) * H + pid * 64 + 8 * (i % 8));
+        }
+        cp_commit();
+    }
+"""
+PATCHES["w2late"] = [(W2_COPY, ""),
+                     ("    if (!has2) return;\n", "    if (!has2) return;\n" + W2_COPY.replace("    if (has2) {\n", "    {\n", 1))]
+PATCHES["late_sum2"] = PATCHES["w2late"] + PATCHES["sum2"]
 STAGES = {"ring6": 6, "ring7": 7, "fast": 7}          # variants' w13 ring stages (shared memory)
 PATCHES["cluster"] = [
     ('extern "C" __global__ void __launch_bounds__(THREADS, 1)\ndecode_moe(',
