@@ -91,17 +91,20 @@ SMS, SCHEDULERS, CLOCK_MHZ = 132, 4, 1980          # H200 (SXM): SMs, warp sched
 E, H, I, TOPK = 384, DEFINES["H"], DEFINES["I"], DEFINES["TOPK"]
 
 
-def stage_counts(ng: int, w2b: int) -> dict:
+def stage_counts(ng: int, w2b: int, stages: int = DEFINES["STAGES"]) -> dict:
     """{kernel: ([stage-loop instructions by valid groups 1..NG], item-loop overhead)} of moe_marlin
-    at these tiles (a kernel with one stage loop for every count repeats it)."""
-    funcs = parse(sass(defines={**DEFINES, "NG": ng, "W2B": w2b}))
+    at these tiles. The stage loop of v valid groups is the shortest inner loop with 8 x blocks x v
+    HMMA (blocks: w13 2, w2 w2b); a backward branch out of the epilogue can also look like an inner
+    loop holding one stage loop's HMMA (e.g. 16 HMMA in 1619 instructions at NG 2), never shorter."""
+    funcs = parse(sass(defines={**DEFINES, "NG": ng, "W2B": w2b, "STAGES": stages}))
     out = {}
     for name in KERNELS:
         loops = mma_loops(funcs[name])
-        stages = sorted((lp for lp in loops if lp["inner"]), key=lambda lp: lp["hmma"])
+        per_group = 8 * (2 if name == "moe_w13" else w2b)
+        by_groups = [min(lp["instructions"] for lp in loops if lp["inner"] and lp["hmma"] == per_group * v)
+                     for v in range(1, ng + 1)]
         item = max(lp["instructions"] for lp in loops)
-        by_groups = [stages[min(v, len(stages)) - 1]["instructions"] for v in range(1, ng + 1)]
-        out[name] = (by_groups, item - sum(lp["instructions"] for lp in stages))
+        out[name] = (by_groups, item - sum(by_groups))
     return out
 
 
@@ -115,15 +118,15 @@ def bound(tokens: list[int], seed: int = 0) -> list[dict]:
     per_us = SMS * SCHEDULERS * CLOCK_MHZ
     for t in tokens:
         tiles = mm.tiles_for(t, TOPK, E)
-        ng, w2b = tiles["ng"], tiles["w2b"]
-        if (ng, w2b) not in cache:
-            cache[ng, w2b] = stage_counts(ng, w2b)
-        counts = cache[ng, w2b]
+        ng, w2b, st = tiles["ng"], tiles["w2b"], tiles["stages"]
+        if (ng, w2b, st) not in cache:
+            cache[ng, w2b, st] = stage_counts(ng, w2b, st)
+        counts = cache[ng, w2b, st]
         ids = torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(t)])
         _, _, block_rows, n_blocks = mm.plan_ref(ids, E, 8 * ng)
         groups = (block_rows[: int(n_blocks)] + 7) // 8
         warps = 3 * SMS * 4                          # 3 programs of 4 warps an SM (shared memory)
-        splits = mm.work_split(t, TOPK, E, I, H, warps)
+        splits = tiles.get("splits") or mm.work_split(t, TOPK, E, I, H, warps)
         for name, items_per_block, stages in (("moe_w13", (I // 64) * splits, -(-(H // 32) // splits)),
                                               ("moe_w2", H // (64 * w2b), I // 32)):
             loop, overhead = counts[name]
@@ -200,7 +203,8 @@ def main(argv: list[str]) -> None:
         if argv[0] == "--wide":
             rows = wide_bound([int(t) for t in tokens if t >= 1024])
         else:
-            rows = bound([int(t) for t in tokens if t > 1])
+            from ddbench.kernels.moe import WIDE_MIN_PER_EXPERT                    # marlin's range: 2 .. wide's start
+            rows = bound([int(t) for t in tokens if 1 < t and t * TOPK / E < WIDE_MIN_PER_EXPERT])
         if sweep is not None:
             got = sweep[sweep.cuda_graph.astype(str) == "True"].set_index(["tokens", "stage"]).time_us
             for r in rows:
