@@ -6,7 +6,7 @@ import pytest
 from ddbench.kernels import cuda
 from experiments import dataflow, hop_probe
 from experiments.cuda import HERE
-from experiments.scripts import moe_decode_probe
+from experiments.scripts import moe_decode_probe, moe_marlin_variants
 
 
 def _cubin(source: str, defines: dict) -> bytes:
@@ -45,3 +45,12 @@ def test_moe_decode_probe_variants_compile(variant, tmp_path):
     path = tmp_path / f"{variant}.cu"
     path.write_text(moe_decode_probe.patched(variant))
     assert len(cuda.cubin(str(path), (("G", 32), ("H", 7168), ("I", 256), ("KS", 4)), "sm_90")) > 1000
+
+
+@pytest.mark.parametrize("variant", sorted(moe_marlin_variants.VARIANTS))
+@pytest.mark.parametrize("ng, w2b, stages", [(1, 1, 4), (2, 2, 5), (2, 2, 3)])
+def test_moe_marlin_variants_compile(variant, ng, w2b, stages, tmp_path):
+    path = tmp_path / f"{variant}.cu"
+    path.write_text(moe_marlin_variants.VARIANTS[variant](moe_marlin_variants.SRC.read_text()))
+    defines = {"NG": ng, "W2B": w2b, "STAGES": stages, "WARPS": 4, "G": 32, "H": 7168, "I": 256, "TOPK": 8}
+    assert len(cuda.cubin(str(path), tuple(sorted(defines.items())), "sm_90")) > 1000

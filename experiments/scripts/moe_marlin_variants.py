@@ -1,0 +1,205 @@
+"""Source variants of the CUDA Marlin MoE (kernels/moe_marlin.cu) against the product kernel, at
+the K2.6 TP-8 rank shard (E=384, H=7168, I=256, group 32, top-8), uniform routing, the product's
+tiles at each T: whole layer us (CUDA graph of ROT calls over rotated inputs, product and variants
+alternated twice) and whether a variant's output is bitwise the product's. A variant is a text
+patch of a copy of the source, compiled beside it (kernels/_probe_marlin_<name>.cu):
+
+  addr  the stage loop (`stream`) copies from running sources and ring slots (a stage's 64-bit
+        address arithmetic, its modulo by STAGES and the rematerialised generic -> shared
+        conversion of the ring pointer gone) and reads the ring by 32-bit shared address
+        (`lds128`). Same products in the same order, so bitwise equal. SASS a stage (nvcc 13.0,
+        sm_90), NG 2, 5 stages: w13 437 -> 380 (two groups valid) / 331 -> 307 (one), w2 373 -> 353
+        / 314 -> 299; NG 1: w13 347 -> 324. Not yet run on a GPU.
+
+    python3 -m experiments.scripts.moe_marlin_variants OUT.csv [T,T,...] [variant,...]
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+from ddbench import timing
+from ddbench.kernels import moe_marlin as mm
+from ddbench.kernels.cuda import Kernel
+from ddbench.kernels.moe import random_marlin_moe, synthetic_routing
+
+SRC = Path(mm.__file__).with_name("moe_marlin.cu")
+STREAM_HEAD = "template <int KDIM, int NDIM, int NBLK, int NV>\n__device__ __forceinline__ void stream("
+LDS128 = """__device__ __forceinline__ uint4 lds128(unsigned addr) {   // 16 bytes at a shared-window address
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+"""
+ADDR_STREAM = """template <int KDIM, int NDIM, int NBLK, int NV>
+__device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring, const unsigned* w, const unsigned short* s,
+                                       int e, int nb0, int nb_step, int st0, int st1,
+                                       const unsigned short* const (&xrow)[NG], const bool (&xval)[NG],
+                                       unsigned long long pol)
+{
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    constexpr unsigned STAGE_B = STAGE_V(NBLK) * 16;          // bytes a ring stage
+    // the copies' sources advance by a stage each issue (issue runs st0, st0 + 1, ... in order), the
+    // ring slots by one mod STAGES: no per-stage 64-bit address arithmetic or modulo
+    const unsigned* wsrc = w + (long)e * (KDIM / 16) * (2 * NDIM) + (long)(2 * st0) * (2 * NDIM) + nb0 * 128 + lane * 4;
+    const bool copies_scale = lane < SVEC(NBLK);           // lane 8j + g' copies block j's scale vector g'
+    const unsigned short* sl = s + (long)e * (KDIM / G) * NDIM + (nb0 + min(lane / 8, NBLK - 1) * nb_step) * 64 + lane % 8 * 8;
+    const unsigned short* xsrc[NV];
+#pragma unroll
+    for (int ng = 0; ng < NV; ng++) xsrc[ng] = xrow[ng] + 32 * st0 + 8 * t;
+    const unsigned base = smem_addr(ring), xput = xoff(g, t), xget = xoff(lane % 8, lane / 8);
+    int next = st0, put_at = 0;                             // the stage the next issue copies, its ring slot
+    unsigned put = base;                                    // = base + put_at stages
+    auto issue = [&]() {
+        if (next < st1) {
+#pragma unroll
+            for (int j = 0; j < NBLK; j++) {
+                cp16_ef(put + (64 * j + lane) * 16, wsrc + j * nb_step * 128, pol);
+                cp16_ef(put + (64 * j + 32 + lane) * 16, wsrc + j * nb_step * 128 + 2 * NDIM, pol);
+            }
+            if (copies_scale) cp_async16(put + (WVEC(NBLK) + lane) * 16, sl + (long)(next * 32 / G) * NDIM);
+#pragma unroll
+            for (int ng = 0; ng < NV; ng++) {
+                cp16z(put + XVEC(NBLK, ng) * 16 + xput, xsrc[ng], xval[ng]);
+                xsrc[ng] += 32;
+            }
+            wsrc += 4 * NDIM;
+        }
+        cp_commit();
+        next++;
+        put = ++put_at == STAGES ? put - (STAGES - 1) * STAGE_B : put + STAGE_B;
+        put_at = put_at == STAGES ? 0 : put_at;
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; i++) issue();
+    int slot_at = 0;                                        // stage st's ring slot
+    unsigned slot = base;                                   // = base + slot_at stages
+    for (int st = st0; st < st1; st++) {
+        cp_wait<STAGES - 2>();                              // this lane's copies of stage st have landed,
+        __syncwarp();                                       // the other lanes' too, and all read stage st - 1
+        issue();                                            // stage st + STAGES - 1 into stage st - 1's slot
+        unsigned xv[NV][4];                                 // token g's k pairs 2t, 2t+8, 2t+16, 2t+24
+        float c0[NV][4];                                    // zero: each group's product starts here
+#pragma unroll
+        for (int ng = 0; ng < NV; ng++) {
+            ldsm4(xv[ng], slot + XVEC(NBLK, ng) * 16 + xget);
+#pragma unroll
+            for (int i = 0; i < 4; i++) c0[ng][i] = 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < NBLK; j++) {
+            const uint4 w0 = lds128(slot + (64 * j + lane) * 16), w1 = lds128(slot + (64 * j + 32 + lane) * 16),
+                        sc = lds128(slot + (WVEC(NBLK) + 8 * j + g) * 16);
+            const unsigned wq0[4] = {w0.x, w0.y, w0.z, w0.w}, wq1[4] = {w1.x, w1.y, w1.z, w1.w};
+            const unsigned sq[4] = {sc.x, sc.y, sc.z, sc.w};
+#pragma unroll
+            for (int tile = 0; tile < 4; tile++) {
+                unsigned a0[4], a1[4];
+                dequant(wq0[tile], a0);
+                dequant(wq1[tile], a1);
+                const float slo = bf16_lo(sq[tile]), shi = bf16_hi(sq[tile]);
+#pragma unroll
+                for (int ng = 0; ng < NV; ng++) {
+                    float c[4];
+                    mma(c, a0, xv[ng][0], xv[ng][1], c0[ng]);
+                    mma(c, a1, xv[ng][2], xv[ng][3], c);
+                    float* d = acc[j][tile][ng];
+                    d[0] = fmaf(c[0], slo, d[0]);
+                    d[1] = fmaf(c[1], slo, d[1]);
+                    d[2] = fmaf(c[2], shi, d[2]);
+                    d[3] = fmaf(c[3], shi, d[3]);
+                }
+            }
+        }
+        slot = ++slot_at == STAGES ? slot - (STAGES - 1) * STAGE_B : slot + STAGE_B;
+        slot_at = slot_at == STAGES ? 0 : slot_at;
+    }
+    cp_wait<0>();
+    __syncwarp();                                           // every lane done with the ring before the next item's copies
+}
+"""
+ROT = 10
+E, H, I, G, K = 384, 7168, 256, 32, 8
+
+
+def replace_stream(text: str, new: str) -> str:
+    """text with its `stream` function (from its template line to the closing brace) replaced."""
+    start = text.index(STREAM_HEAD)
+    end = text.index("\n}\n", start) + 3
+    return text[:start] + new + text[end:]
+
+
+VARIANTS = {"addr": lambda text: replace_stream(text, LDS128 + ADDR_STREAM)}
+
+
+def variant_source(name: str) -> str:
+    """Variant `name` written beside the kernel; its file name."""
+    path = SRC.with_name(f"_probe_marlin_{name}.cu")
+    path.write_text(VARIANTS[name](SRC.read_text()))
+    return path.name
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher(src: str):
+    """kernels.moe_marlin._kernel's signature, compiling source file `src` (kernels/ folder)."""
+    @functools.lru_cache(maxsize=None)
+    def kernel(name, ng, stages, warps, group, hidden, inter, top_k, device, w2b=2):
+        return Kernel(src, name, {"NG": ng, "STAGES": stages, "WARPS": warps, "G": group, "H": hidden,
+                                  "I": inter, "TOPK": top_k, "W2B": w2b}, device)
+    return kernel
+
+
+def use_source(src: str) -> None:
+    """Point kernels.moe_marlin's launches at source file `src`."""
+    mm._kernel = _launcher(src)
+    mm._grid.cache_clear()
+
+
+def main(out: str, tokens: str = "8,16,32,64,96,128,256,512", names: str = "addr") -> None:
+    dev = torch.device("cuda")
+    w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
+    product = mm._kernel
+    srcs = {"product": "moe_marlin.cu"} | {n: variant_source(n) for n in names.split(",")}
+    rows = []
+    try:
+        for t in (int(v) for v in tokens.split(",")):
+            xs, routes = [], []
+            for r in range(ROT):
+                g = torch.Generator(device=dev).manual_seed(t * 31 + r)
+                xs.append(torch.randn(t, H, generator=g, device=dev).bfloat16())
+                routes.append(synthetic_routing("uniform", t, E, K, device=dev, seed=t * 31 + r))
+            tiles = mm.resolve_tiles(t, K, w, dev)
+            outs = {}
+            for rep in range(2):
+                for name, src in srcs.items():
+                    use_source(src)
+                    it = iter(range(10**9))
+
+                    def call():
+                        r = next(it) % ROT
+                        return mm.fused_moe_marlin(xs[r], *routes[r], w, tiles)
+                    st = timing.bench(call, device=dev, warmup=2, reps=20, graph=True, graph_ops=ROT)
+                    outs.setdefault(name, mm.fused_moe_marlin(xs[0], *routes[0], w, tiles))
+                    rows.append(dict(tokens=t, variant=name, rep=rep, tiles=mm.tile_name(tiles),
+                                     layer_us=round(st.median_us, 2),
+                                     equal_to_product=bool(torch.equal(outs[name], outs["product"]))))
+                    print(rows[-1], flush=True)
+    finally:
+        mm._kernel = product
+        mm._grid.cache_clear()
+        if rows:
+            with open(out, "w", newline="") as f:
+                wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+                wr.writeheader()
+                wr.writerows(rows)
+    print("\nlayer us, best of 2:  T  " + "  ".join(srcs))
+    for t in sorted({r["tokens"] for r in rows}):
+        print(t, *(min(r["layer_us"] for r in rows if r["tokens"] == t and r["variant"] == n) for n in srcs))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
