@@ -3,7 +3,7 @@
 # only if they pass, STEPS in the order given, of:
 #   probe        experiments/scripts/moe_decode_probe.py (variants PROBE_V, default all)
 #   check        scripts/gpu/moe_marlin_check.py at tokens CHECK_T with variants CHECK_V
-#   variants     experiments/scripts/moe_marlin_variants.py: source variants MV_V (default addr)
+#   variants     experiments/scripts/moe_marlin_variants.py: source variants MV_V (default addr,f16,addr_f16)
 #                against the product kernel at tokens MV_T, bitwise check included
 #   ncu          Nsight Compute of moe_wide at tokens NCU_T (experiments.scripts.moe_ncu wide)
 #   sweep        moe-sweep TP-8 of this tree (the default rule)
@@ -39,7 +39,7 @@ for step in ${STEPS:-sweep e2e sweep_before e2e_before}; do
     check) timeout 240 python3 scripts/gpu/moe_marlin_check.py "$RUNS/check" "${CHECK_T:-512,1024,2048,4096}" "${CHECK_V:-m2,w4}" 2>&1 | tail -8
            mv "$RUNS/check/moe_marlin_check.csv" "$RUNS/${GPU}_${S}_check.csv" 2>/dev/null; rmdir "$RUNS/check" 2>/dev/null ;;
     variants) timeout 240 python3 -m experiments.scripts.moe_marlin_variants "$RUNS/${GPU}_${S}_variants.csv" \
-                "${MV_T:-8,16,32,64,96,128,256,512}" "${MV_V:-addr}" 2>&1 | tail -10 ;;
+                "${MV_T:-8,16,32,64,96,128,256,512}" "${MV_V:-addr,f16,addr_f16}" 2>&1 | tail -10 ;;
     ncu) timeout 300 bash experiments/scripts/ncu.sh wide experiments.scripts.moe_ncu wide "${NCU_T:-4096}" 2>&1 | tail -9 ;;
     sweep) timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8" 2>&1 | rows ;;
     sweep_before) (cd .snap && timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8_before" 2>&1 | rows) ;;

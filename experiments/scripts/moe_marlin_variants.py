@@ -9,7 +9,14 @@ patch of a copy of the source, compiled beside it (kernels/_probe_marlin_<name>.
         conversion of the ring pointer gone) and reads the ring by 32-bit shared address
         (`lds128`). Same products in the same order, so bitwise equal. SASS a stage (nvcc 13.0,
         sm_90), NG 2, 5 stages: w13 437 -> 380 (two groups valid) / 331 -> 307 (one), w2 373 -> 353
-        / 314 -> 299; NG 1: w13 347 -> 324. Not yet run on a GPU.
+        / 314 -> 299; NG 1: w13 347 -> 324.
+  f16   x and the act rows in fp16, the weights dequantized to fp16 (`dequant_f16`: one shift a
+        word instead of three, the fp16 mantissa holding a nibble at bits 4-7) and fp16 mma; the
+        output stays bf16. Needs the caller's x in fp16 (the engine's gate GEMM can write it:
+        `out_xh`). Not bitwise the product's: checked against the fp32 reference.
+  addr_f16  both. SASS a stage, NG 2, 5 stages: w13 437 -> 352 / 331 -> 278, w2 373 -> 323 /
+        314 -> 268; NG 1: w13 347 -> 292.
+None of them has run on a GPU yet.
 
     python3 -m experiments.scripts.moe_marlin_variants OUT.csv [T,T,...] [variant,...]
 """
@@ -25,7 +32,7 @@ import torch
 from ddbench import timing
 from ddbench.kernels import moe_marlin as mm
 from ddbench.kernels.cuda import Kernel
-from ddbench.kernels.moe import random_marlin_moe, synthetic_routing
+from ddbench.kernels.moe import fused_moe_ref, random_marlin_moe, synthetic_routing
 
 SRC = Path(mm.__file__).with_name("moe_marlin.cu")
 STREAM_HEAD = "template <int KDIM, int NDIM, int NBLK, int NV>\n__device__ __forceinline__ void stream("
@@ -133,13 +140,37 @@ def replace_stream(text: str, new: str) -> str:
     return text[:start] + new + text[end:]
 
 
-VARIANTS = {"addr": lambda text: replace_stream(text, LDS128 + ADDR_STREAM)}
+F16 = [("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
+       ("dequant(wq0[tile], a0);", "dequant_f16(wq0[tile], a0);"),
+       ("dequant(wq1[tile], a1);", "dequant_f16(wq1[tile], a1);"),
+       ("= to_bf16(silu_mul(acc[0][f][ng][i], acc[1][f][ng][i]));",
+        "= to_f16(silu_mul(acc[0][f][ng][i], acc[1][f][ng][i]));"),
+       ("= bf16x2(silu_mul(gs.x, us.x), silu_mul(gs.y, us.y));",
+        "= (unsigned)to_f16(silu_mul(gs.x, us.x)) | (unsigned)to_f16(silu_mul(gs.y, us.y)) << 16;")]
+
+
+def replace_all(text: str, pairs: list[tuple[str, str]]) -> str:
+    """text with each (old, new) replaced; each old must occur exactly once."""
+    for old, new in pairs:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
+
+
+def addr(text: str) -> str:
+    return replace_stream(text, LDS128 + ADDR_STREAM)
+
+
+# name -> (patch of the source text, dtype of x the variant takes)
+VARIANTS = {"addr": (addr, torch.bfloat16),
+            "f16": (lambda text: replace_all(text, F16), torch.float16),
+            "addr_f16": (lambda text: replace_all(addr(text), F16), torch.float16)}
 
 
 def variant_source(name: str) -> str:
     """Variant `name` written beside the kernel; its file name."""
     path = SRC.with_name(f"_probe_marlin_{name}.cu")
-    path.write_text(VARIANTS[name](SRC.read_text()))
+    path.write_text(VARIANTS[name][0](SRC.read_text()))
     return path.name
 
 
@@ -159,11 +190,18 @@ def use_source(src: str) -> None:
     mm._grid.cache_clear()
 
 
-def main(out: str, tokens: str = "8,16,32,64,96,128,256,512", names: str = "addr") -> None:
+def run(x: torch.Tensor, route: tuple, w, tiles: dict) -> torch.Tensor:
+    """kernels.moe_marlin's three launches (fused_moe_marlin without its bf16 check, so a variant
+    may take fp16 x)."""
+    routing = mm.plan(route[0], w.n_experts, 8 * tiles["ng"])
+    return mm.marlin_w2(mm.marlin_w13(x, routing, route[0].shape[1], w, tiles), routing, route[1], w, tiles)
+
+
+def main(out: str, tokens: str = "8,16,32,64,96,128,256,512", names: str = "addr,f16,addr_f16") -> None:
     dev = torch.device("cuda")
     w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
     product = mm._kernel
-    srcs = {"product": "moe_marlin.cu"} | {n: variant_source(n) for n in names.split(",")}
+    srcs = {"product": ("moe_marlin.cu", torch.bfloat16)} | {n: (variant_source(n), VARIANTS[n][1]) for n in names.split(",")}
     rows = []
     try:
         for t in (int(v) for v in tokens.split(",")):
@@ -172,21 +210,25 @@ def main(out: str, tokens: str = "8,16,32,64,96,128,256,512", names: str = "addr
                 g = torch.Generator(device=dev).manual_seed(t * 31 + r)
                 xs.append(torch.randn(t, H, generator=g, device=dev).bfloat16())
                 routes.append(synthetic_routing("uniform", t, E, K, device=dev, seed=t * 31 + r))
+            ref = fused_moe_ref(xs[0].float(), *routes[0], w).float()
             tiles = mm.resolve_tiles(t, K, w, dev)
             outs = {}
             for rep in range(2):
-                for name, src in srcs.items():
+                for name, (src, dtype) in srcs.items():
                     use_source(src)
+                    xv = [x.to(dtype) for x in xs]
                     it = iter(range(10**9))
 
                     def call():
                         r = next(it) % ROT
-                        return mm.fused_moe_marlin(xs[r], *routes[r], w, tiles)
+                        return run(xv[r], routes[r], w, tiles)
                     st = timing.bench(call, device=dev, warmup=2, reps=20, graph=True, graph_ops=ROT)
-                    outs.setdefault(name, mm.fused_moe_marlin(xs[0], *routes[0], w, tiles))
+                    y = outs.setdefault(name, run(xv[0], routes[0], w, tiles))
                     rows.append(dict(tokens=t, variant=name, rep=rep, tiles=mm.tile_name(tiles),
                                      layer_us=round(st.median_us, 2),
-                                     equal_to_product=bool(torch.equal(outs[name], outs["product"]))))
+                                     rel_err=f"{((y.float() - ref).norm() / ref.norm()).item():.2e}",
+                                     bitwise_repeat=bool(torch.equal(y, run(xv[0], routes[0], w, tiles))),
+                                     equal_to_product=bool(torch.equal(y, outs["product"]))))
                     print(rows[-1], flush=True)
     finally:
         mm._kernel = product

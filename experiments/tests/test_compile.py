@@ -51,6 +51,6 @@ def test_moe_decode_probe_variants_compile(variant, tmp_path):
 @pytest.mark.parametrize("ng, w2b, stages", [(1, 1, 4), (2, 2, 5), (2, 2, 3)])
 def test_moe_marlin_variants_compile(variant, ng, w2b, stages, tmp_path):
     path = tmp_path / f"{variant}.cu"
-    path.write_text(moe_marlin_variants.VARIANTS[variant](moe_marlin_variants.SRC.read_text()))
+    path.write_text(moe_marlin_variants.VARIANTS[variant][0](moe_marlin_variants.SRC.read_text()))
     defines = {"NG": ng, "W2B": w2b, "STAGES": stages, "WARPS": 4, "G": 32, "H": 7168, "I": 256, "TOPK": 8}
     assert len(cuda.cubin(str(path), tuple(sorted(defines.items())), "sm_90")) > 1000
