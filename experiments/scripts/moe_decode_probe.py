@@ -82,20 +82,14 @@ PATCHES["sum2"] = [(SUM_LOOP, """    float4 pv[2][2 * KS];                      
             const float4 gv = pv[h][2 * r], uv = pv[h][2 * r + 1];
 """)]
 PATCHES["fast"] = PATCHES["ring7"] + PATCHES["sum2"]
-W2_COPY = """    if (has2) {
-        for (int i = threadIdx.x; i < n * KTI * 32; i += THREADS) {
-            const int j = i / (KTI * 32), kt = i / 32 % KTI;
-            cp_async16(smem_addr(words + i), w2 + ((long)ids[j] * KTI + kt) * (2 * H) + pid * 128 + 4 * (i % 32));
-        }
-        for (int i = threadIdx.x; i < n * GI * 8; i += THREADS) {
-            const int j = i / (GI * 8), grp = i / 8 % GI;
-            cp_async16(smem_addr(words + MAXN * KTI * 32 + i), s2 + ((long)ids[j] * GI + grp) * H + pid * 64 + 8 * (i % 8));
-        }
-        cp_commit();
-    }
-"""
-PATCHES["w2late"] = [(W2_COPY, ""),
-                     ("    if (!has2) return;\n", "    if (!has2) return;\n" + W2_COPY.replace("    if (has2) {\n", "    {\n", 1))]
+PATCHES["w2late"] = [   # the copy block becomes a lambda, called after the w13 role where the program has one
+    ("    if (has2) {\n        for (int i = threadIdx.x; i < n * KTI * 32; i += THREADS) {\n",
+     "    auto w2_copy = [&]() {                                     // the w2 role's words and scales\n"
+     "        for (int i = threadIdx.x; i < n * KTI * 32; i += THREADS) {\n"),
+    ("        cp_commit();\n    }\n    if (has13) {\n",
+     "        cp_commit();\n    };\n    if (has2 && !has13) w2_copy();\n    if (has13) {\n"),
+    ("    if (!has2) return;\n", "    if (!has2) return;\n    if (has13) w2_copy();\n"),
+]
 PATCHES["late_sum2"] = PATCHES["w2late"] + PATCHES["sum2"]
 STAGES = {"ring6": 6, "ring7": 7, "fast": 7}          # variants' w13 ring stages (shared memory)
 PATCHES["cluster"] = [

@@ -42,23 +42,10 @@ LDS128 = """__device__ __forceinline__ uint4 lds128(unsigned addr) {   // 16 byt
     return v;
 }
 """
-ADDR_STREAM = """template <int KDIM, int NDIM, int NBLK, int NV>
-__device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring, const unsigned* w, const unsigned short* s,
-                                       int e, int nb0, int nb_step, int st0, int st1,
-                                       const unsigned short* const (&xrow)[NG], const bool (&xval)[NG],
-                                       unsigned long long pol)
-{
-    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    constexpr unsigned STAGE_B = STAGE_V(NBLK) * 16;          // bytes a ring stage
-    // the copies' sources advance by a stage each issue (issue runs st0, st0 + 1, ... in order), the
-    // ring slots by one mod STAGES: no per-stage 64-bit address arithmetic or modulo
-    const unsigned* wsrc = w + (long)e * (KDIM / 16) * (2 * NDIM) + (long)(2 * st0) * (2 * NDIM) + nb0 * 128 + lane * 4;
-    const bool copies_scale = lane < SVEC(NBLK);           // lane 8j + g' copies block j's scale vector g'
-    const unsigned short* sl = s + (long)e * (KDIM / G) * NDIM + (nb0 + min(lane / 8, NBLK - 1) * nb_step) * 64 + lane % 8 * 8;
-    const unsigned short* xsrc[NV];
+ADDR_ISSUE = """    const unsigned short* xsrc[NV];
 #pragma unroll
     for (int ng = 0; ng < NV; ng++) xsrc[ng] = xrow[ng] + 32 * st0 + 8 * t;
-    const unsigned base = smem_addr(ring), xput = xoff(g, t), xget = xoff(lane % 8, lane / 8);
+    constexpr unsigned STAGE_B = STAGE_V(NBLK) * 16;          // bytes a ring stage
     int next = st0, put_at = 0;                             // the stage the next issue copies, its ring slot
     unsigned put = base;                                    // = base + put_at stages
     auto issue = [&]() {
@@ -81,63 +68,36 @@ __device__ __forceinline__ void stream(float (&acc)[NBLK][4][NG][4], uint4* ring
         put = ++put_at == STAGES ? put - (STAGES - 1) * STAGE_B : put + STAGE_B;
         put_at = put_at == STAGES ? 0 : put_at;
     };
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; i++) issue();
-    int slot_at = 0;                                        // stage st's ring slot
-    unsigned slot = base;                                   // = base + slot_at stages
-    for (int st = st0; st < st1; st++) {
-        cp_wait<STAGES - 2>();                              // this lane's copies of stage st have landed,
-        __syncwarp();                                       // the other lanes' too, and all read stage st - 1
-        issue();                                            // stage st + STAGES - 1 into stage st - 1's slot
-        unsigned xv[NV][4];                                 // token g's k pairs 2t, 2t+8, 2t+16, 2t+24
-        float c0[NV][4];                                    // zero: each group's product starts here
-#pragma unroll
-        for (int ng = 0; ng < NV; ng++) {
-            ldsm4(xv[ng], slot + XVEC(NBLK, ng) * 16 + xget);
-#pragma unroll
-            for (int i = 0; i < 4; i++) c0[ng][i] = 0.f;
-        }
-#pragma unroll
-        for (int j = 0; j < NBLK; j++) {
-            const uint4 w0 = lds128(slot + (64 * j + lane) * 16), w1 = lds128(slot + (64 * j + 32 + lane) * 16),
-                        sc = lds128(slot + (WVEC(NBLK) + 8 * j + g) * 16);
-            const unsigned wq0[4] = {w0.x, w0.y, w0.z, w0.w}, wq1[4] = {w1.x, w1.y, w1.z, w1.w};
-            const unsigned sq[4] = {sc.x, sc.y, sc.z, sc.w};
-#pragma unroll
-            for (int tile = 0; tile < 4; tile++) {
-                unsigned a0[4], a1[4];
-                dequant(wq0[tile], a0);
-                dequant(wq1[tile], a1);
-                const float slo = bf16_lo(sq[tile]), shi = bf16_hi(sq[tile]);
-#pragma unroll
-                for (int ng = 0; ng < NV; ng++) {
-                    float c[4];
-                    mma(c, a0, xv[ng][0], xv[ng][1], c0[ng]);
-                    mma(c, a1, xv[ng][2], xv[ng][3], c);
-                    float* d = acc[j][tile][ng];
-                    d[0] = fmaf(c[0], slo, d[0]);
-                    d[1] = fmaf(c[1], slo, d[1]);
-                    d[2] = fmaf(c[2], shi, d[2]);
-                    d[3] = fmaf(c[3], shi, d[3]);
-                }
-            }
-        }
-        slot = ++slot_at == STAGES ? slot - (STAGES - 1) * STAGE_B : slot + STAGE_B;
-        slot_at = slot_at == STAGES ? 0 : slot_at;
-    }
-    cp_wait<0>();
-    __syncwarp();                                           // every lane done with the ring before the next item's copies
-}
 """
+# (old, new) pairs; each old occurs once in the stage loop `stream` of today's source
+ADDR = [
+    (STREAM_HEAD, LDS128 + STREAM_HEAD),
+    ("    const unsigned* wl = w + (long)e * (KDIM / 16) * (2 * NDIM) + lane * 4;\n",
+     "    const unsigned* wsrc = w + (long)e * (KDIM / 16) * (2 * NDIM) + (long)(2 * st0) * (2 * NDIM) + nb0 * 128 + lane * 4;\n"),
+    ("    for (int i = 0; i < STAGES - 1; i++) issue(st0 + i);\n",
+     "    for (int i = 0; i < STAGES - 1; i++) issue();\n"
+     "    int slot_at = 0;                                        // stage st's ring slot\n"
+     "    unsigned slot = base;                                   // = base + slot_at stages\n"),
+    ("        issue(st + STAGES - 1);                             // into stage st - 1's slot\n"
+     "        const unsigned slot = base + (st % STAGES) * STAGE_V(NBLK) * 16;\n"
+     "        const uint4* vec = ring + (st % STAGES) * STAGE_V(NBLK);\n",
+     "        issue();                                            // stage st + STAGES - 1 into stage st - 1's slot\n"),
+    ("const uint4 w0 = vec[64 * j + lane], w1 = vec[64 * j + 32 + lane], sc = vec[WVEC(NBLK) + 8 * j + g];",
+     "const uint4 w0 = lds128(slot + (64 * j + lane) * 16), w1 = lds128(slot + (64 * j + 32 + lane) * 16),\n"
+     "                        sc = lds128(slot + (WVEC(NBLK) + 8 * j + g) * 16);"),
+    ("    }\n    cp_wait<0>();\n",
+     "        slot = ++slot_at == STAGES ? slot - (STAGES - 1) * STAGE_B : slot + STAGE_B;\n"
+     "        slot_at = slot_at == STAGES ? 0 : slot_at;\n    }\n    cp_wait<0>();\n"),
+]
 ROT = 10
 E, H, I, G, K = 384, 7168, 256, 32, 8
 
 
-def replace_stream(text: str, new: str) -> str:
-    """text with its `stream` function (from its template line to the closing brace) replaced."""
-    start = text.index(STREAM_HEAD)
-    end = text.index("\n}\n", start) + 3
-    return text[:start] + new + text[end:]
+def replace_between(text: str, start: str, end: str, new: str) -> str:
+    """text with the span from the first `start` to the end of the first `end` after it replaced."""
+    i = text.index(start)
+    j = text.index(end, i) + len(end)
+    return text[:i] + new + text[j:]
 
 
 F16 = [("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
@@ -158,7 +118,8 @@ def replace_all(text: str, pairs: list[tuple[str, str]]) -> str:
 
 
 def addr(text: str) -> str:
-    return replace_stream(text, LDS128 + ADDR_STREAM)
+    text = replace_between(text, "    auto issue = [&](int st) {\n", "        cp_commit();\n    };\n", ADDR_ISSUE)
+    return replace_all(text, ADDR)
 
 
 # name -> (patch of the source text, dtype of x the variant takes)

@@ -14,9 +14,22 @@ def test_variant_changes_the_source(variant):
         assert text.count(name) == src.count(name) == 1
 
 
-def test_replace_stream_swaps_only_the_stream_function():
+def test_replace_between_replaces_one_span():
+    assert mv.replace_between("a [x] b [y] c", "[", "]", "Z") == "a Z b [y] c"
+    with pytest.raises(ValueError):
+        mv.replace_between("a b", "[", "]", "Z")
+
+
+def test_replace_all_needs_each_old_text_once():
+    assert mv.replace_all("ab", [("a", "x"), ("b", "y")]) == "xy"
+    with pytest.raises(AssertionError):
+        mv.replace_all("aa", [("a", "x")])
+
+
+def test_addr_patches_only_the_stage_loop():
     src = mv.SRC.read_text()
-    text = mv.replace_stream(src, "// stream\n")
-    assert "void stream(" not in text and "// stream\n" in text
-    assert len(src) - len(text) < 6000                      # the function, not the rest of the file
-    assert text.startswith(src[:src.index(mv.STREAM_HEAD)])
+    text = mv.VARIANTS["addr"][0](src)
+    head = src.index(mv.STREAM_HEAD)
+    assert text.startswith(src[:head]) and "lds128(slot" in text and "issue(st0 + i)" not in text
+    tail = "// stream over the item's ngv valid groups"            # the code after `stream`
+    assert text[text.index(tail):] == src[src.index(tail):]
