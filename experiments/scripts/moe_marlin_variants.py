@@ -112,7 +112,8 @@ F16 = [("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma.sync.aligned
 def replace_all(text: str, pairs: list[tuple[str, str]]) -> str:
     """text with each (old, new) replaced; each old must occur exactly once."""
     for old, new in pairs:
-        assert text.count(old) == 1, old
+        if text.count(old) != 1:
+            raise ValueError(f"patch text found {text.count(old)} times, not once: {old[:80]!r}")
         text = text.replace(old, new)
     return text
 
