@@ -322,7 +322,8 @@ def reference_rows(found: list[Run], chosen: dict) -> dict[int, list[tuple[str, 
 
 def engine_best(by_cmd: dict) -> tuple[dict, bool]:
     """The engine's best tok/s at each concurrency, from the honest rows where any have them:
-    {"decode" | "ar" | "ddtree" | "ddtree_low": {c: (tok/s, setting, gpu)}} ("ar": e2e's AR rows;
+    {"decode" | "ar" | "ar_any" | "ddtree" | "ddtree_low": {c: (tok/s, setting, gpu)}} ("ar": e2e's
+    AR rows; "ar_any": the better of those and decode's;
     "ddtree": the best row of a named rank profile where any honest row has one, "ddtree_low":
     the best row of the profile whose best is lowest, the other end of the acceptance bracket;
     setting: profile and budget), and whether the DDTree rows all ran the random-weight router."""
@@ -367,6 +368,9 @@ def engine_best(by_cmd: dict) -> tuple[dict, bool]:
             keep(best["ddtree" if tree else "ar"], c, r["_tps"], setting, r["_gpu"])
             if tree:
                 keep(profiles, (c, r["_profile"]), r["_tps"], setting, r["_gpu"])
+    best["ar_any"] = dict(best["ar"])
+    for c, v in best["decode"].items():
+        keep(best["ar_any"], c, *v)
     best["ddtree_low"] = {}
     for (c, _), v in profiles.items():
         if v[0] < best["ddtree_low"].get(c, (float("inf"),))[0]:
@@ -384,7 +388,7 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
     rows = []
     for c in KEY_CONCURRENCY:
         ref = max((t for _, t in reference.get(c, [])), default=None)
-        ar_best = max([v for v in (dec.get(c), ar.get(c, (None,))[0]) if v], default=None)
+        ar_best = best["ar_any"].get(c, (None,))[0]
         sp, setting = spec.get(c, (None, ""))
         lo, lo_setting = low.get(c, (None, ""))
         ratio = None
@@ -505,13 +509,9 @@ def _engine_series(by_cmd) -> list[tuple[str, dict, dict]]:
     and DDTree at its best and weakest profile, each named with its GPUs, DDTree's points noted
     with their profile and budget."""
     best, _ = engine_best(by_cmd)
-    ar = dict(best["ar"])
-    for c, v in best["decode"].items():
-        if v[0] > ar.get(c, (0.0,))[0]:
-            ar[c] = v
     series = []
     low = best["ddtree_low"] if best["ddtree_low"] != best["ddtree"] else {}  # one profile: one line
-    for name, pts, noted in (("engine AR", ar, False),
+    for name, pts, noted in (("engine AR", best["ar_any"], False),
                              ("engine DDTree, best profile" if low else "engine DDTree", best["ddtree"], True),
                              ("engine DDTree, weakest profile", low, True)):
         if pts:
