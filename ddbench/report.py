@@ -394,8 +394,10 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
         ratio = None
         if ref and sp:
             ratio = f"{sp / ref:.2f}x" if lo == sp else f"{lo / ref:.2f}-{sp / ref:.2f}x"
+        gpus = sorted({str(best[k][c][2]) for k in ("decode", "ar", "ddtree", "ddtree_low")
+                       if c in best[k] and best[k][c][2]})
         rows.append([c, ref, dec.get(c), ar.get(c, (None,))[0], sp, setting, lo, lo_setting,
-                     f"{ar_best / ref:.2f}x" if ref and ar_best else None, ratio])
+                     f"{ar_best / ref:.2f}x" if ref and ar_best else None, ratio, ", ".join(gpus) or None])
     if not any(any(v is not None for v in r[1:5]) for r in rows):
         return []
     notes = []
@@ -416,12 +418,13 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
     text = ("Output tok/s of all streams at each concurrency c, from the runs named in the sections below "
             "(their command lines say what was measured). SGLang's figures are the reported reference. "
             "DDTree's acceptance is a profile's assumption, so its two columns are the profiles whose best "
-            "budgets give the most and the least tok/s.")
+            "budgets give the most and the least tok/s. The last column names the GPU of each engine figure "
+            "in the row (the latest run of each command can come from different cards).")
     if notes:
         text += " Caveats: " + "; ".join(notes) + "."
     return ["## Engine vs SGLang", "", text, ""] + md_table(
         ["c", "SGLang reference", "engine decode (AR)", "engine e2e AR", "engine e2e DDTree (best profile)", "DDTree setting",
-         "DDTree (weakest profile)", "its setting", "AR / SGLang", "DDTree / SGLang"], rows)
+         "DDTree (weakest profile)", "its setting", "AR / SGLang", "DDTree / SGLang", "engine GPU"], rows)
 
 
 TABLES = {"moe-sweep": table_moe, "allreduce": table_allreduce, "tree-bench": table_tree,

@@ -207,6 +207,7 @@ def test_headline_ar_rows_are_the_honest_ones():
     dec = [run("du", routing="uniform", output_tok_per_s=748.0), run("dm", routing="model", output_tok_per_s=767.0)]
     text = "\n".join(summary({"e2e": e2e, "decode": dec}, {10: [("SGLang", 517.0)]}))
     assert "| 727 |" in text and "| 748 |" in text and "746" not in text and "767" not in text
+    assert text.splitlines()[-1].endswith("| h100, h200 |")   # the row names the GPU of each figure
     # the report's throughput plot draws the same rows, each line naming its GPU
     assert _engine_series({"e2e": e2e, "decode": dec}) == [
         ("engine AR (h100)", {10: 748.0}, {}), ("engine DDTree (h200)", {10: 1400.0}, {10: "rank:p b=8"})]
