@@ -404,14 +404,25 @@ def print_table(console, rows: list[dict], baseline: list[dict]) -> None:
                         "experts": r.get("experts_measured"), "lossless": ok,
                         "total us": r["step_total_us"], "x floor": r["floor_ratio"],
                         **{p: r[f"{p}_us"] for p in PHASE_COLS}, "graph": r["cuda_graph"]})
-        out += [{"c": c, "decoder": "baseline", "acceptance": b["label"], "tok/s": b["output_tok_per_s"]}
+        out += [{"c": c, "decoder": "baseline", "acceptance": _short(b["label"]), "tok/s": b["output_tok_per_s"]}
                 for b in baseline if b["concurrency"] == c]
+    long = [lb for lb in dict.fromkeys(b["label"] for b in baseline) if _short(lb) != lb]
     fit(out, key=("c", "decoder", "budget", "acceptance", "tok/s", "steady", "x AR"), console=console,
         title=("CPU TOY RUN (tiny model, host timings: not comparable with GPU numbers) " if toy else "")
         + "ddbench e2e: tok/s projected (step + host (+ modelled comm when simulated)) for the batch "
           "until its last stream is done; steady = while all c streams generate (a server refilling "
           "streams; pred and x AR are steady); acc len = mean accepted; experts = measured distinct "
-          "per MoE layer; phases in us")
+          "per MoE layer; phases in us" + "".join(f"; baseline {_short(lb)!r} = {lb}" for lb in long))
+
+
+BASELINE_LABEL = 24   # the most characters of a baseline label in the table's acceptance column
+
+
+def _short(label: str) -> str:
+    """A baseline label cut to BASELINE_LABEL characters, so that a long one (the SGLang
+    reference's) does not widen the key columns past an 80-column terminal; the title then
+    gives it in full."""
+    return label if len(label) <= BASELINE_LABEL else label[:BASELINE_LABEL - 3] + "..."
 
 
 AUTO_GRID = [8, 32, 128]      # --budget auto alone: the fit grid

@@ -231,3 +231,33 @@ def test_e2e_table_fits_80_columns(tmp_path):
     start = lines.index(head)
     assert all(len(ln) <= 80 for ln in lines[start:start + 4])
     assert "more columns" in r.output and {"verify_moe_us", "draft_us"} <= set(pd.read_csv(tmp_path / "w.csv"))
+
+
+def test_e2e_table_with_the_sglang_reference_fits_80_columns():
+    """The SGLang reference's long label beside a GPU run does not push the table into one
+    `column: value` line a cell (hundreds of lines for a grid): the cell is cut, the title
+    names it in full."""
+    import io
+
+    from rich.console import Console
+
+    from ddbench.e2e import PHASE_COLS, print_table
+
+    def row(decoder, budget, acceptance, tps):
+        return {"concurrency": 10, "decoder": decoder, "budget": budget, "budget_auto": False,
+                "acceptance": acceptance, "output_tok_per_s": tps, "steady_tok_per_s": tps, "mean_accepted": 5.2,
+                "predicted_tok_per_s": tps, "experts_measured": 326.0, "matches_ar": None, "step_total_us": 38000.0,
+                "floor_ratio": 1.5, "cuda_graph": True, "device": "cuda", **{f"{p}_us": 100.0 for p in PHASE_COLS}}
+
+    label = "SGLang 8x RTX PRO 6000 TP-8 (reported)"
+    out = io.StringIO()
+    print_table(Console(file=out, width=80), [row("ar", 0, "none", 773.0),
+                                              row("ddtree", 8, "rank:dflash-k25-mtbench-small", 952.0)],
+                [{"label": label, "concurrency": 10, "output_tok_per_s": 517.0}])
+    lines = out.getvalue().splitlines()
+    head = next(ln for ln in lines if ln.split()[:2] == ["c", "decoder"])
+    table = lines[lines.index(head):]
+    assert all(len(ln) <= 80 for ln in table) and not any(ln.startswith("decoder:") for ln in lines)
+    assert any("rank:dflash-k25-mtbench-small" in ln and "952" in ln for ln in table)
+    assert any(ln.split()[:2] == ["10", "baseline"] and "517" in ln for ln in table)
+    assert label in " ".join(lines[:lines.index(head)])          # the title gives it whole
