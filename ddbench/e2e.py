@@ -422,7 +422,9 @@ def _short(label: str) -> str:
     """A baseline label cut to BASELINE_LABEL characters, so that a long one (the SGLang
     reference's) does not widen the key columns past an 80-column terminal; the title then
     gives it in full."""
-    return label if len(label) <= BASELINE_LABEL else label[:BASELINE_LABEL - 3] + "..."
+    from ddbench.table import clip
+
+    return clip(label, BASELINE_LABEL)
 
 
 AUTO_GRID = [8, 32, 128]      # --budget auto alone: the fit grid

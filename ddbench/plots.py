@@ -19,6 +19,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ddbench.table import clip  # noqa: E402
+
 # the per-phase columns of a step (e2e) and of a decode step; absent ones are skipped
 E2E_PHASES = ("draft", "tree", "verify_attention", "verify_moe", "verify_other", "accept", "comm", "host")
 DECODE_PHASES = ("attention", "moe", "mlp", "lm_head", "other", "comm")
@@ -76,7 +78,7 @@ def run_label(run, labels, runs) -> str:
     if len(runs) == 1:
         return ""
     lab = labels.get(run.name, run.name)
-    return (lab[:57] + "...") if len(lab) > 60 else lab
+    return clip(lab, 60)
 
 
 def _put_legend(owner, handles, names, **kw):

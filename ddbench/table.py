@@ -33,6 +33,11 @@ def fmt_value(v) -> str:
     return str(v)
 
 
+def clip(text: str, width: int) -> str:
+    """`text` cut to at most `width` characters, ending in '...' where it was cut."""
+    return text if len(text) <= width else text[:max(0, width - 3)] + "..."
+
+
 def _right(cells: list[str]) -> bool:
     """Numbers ('12.5', '1 GiB', '3.0..4.1', '-') align right; words align left."""
     return all(c[:1].isdigit() or c[:1] in "-+." for c in cells)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from ddbench import __version__
 from ddbench.cli import app
-from ddbench.table import fmt_value, render
+from ddbench.table import clip, fmt_value, render
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +70,10 @@ def test_table_drops_empty_columns_and_formats():
     assert [fmt_value(v) for v in (float("nan"), True, 0.000123456, 7)] == ["-", "y", "0.000123", "7"]
     with pytest.raises(ValueError, match="key columns"):
         render([{"a": 1}], key=("b",))
+
+
+def test_clip():
+    assert clip("abcdef", 6) == "abcdef" and clip("abcdefg", 6) == "abc..." and len(clip("x" * 99, 24)) == 24
 
 
 def test_tree_bench_table_fits_80_columns(tmp_path):
