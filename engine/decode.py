@@ -43,6 +43,7 @@ import torch
 
 from ddbench.engine.model import Transformer, causal_visible
 from ddbench.engine.phases import PhaseTimer
+from ddbench.engine.routing import keyed
 
 PHASES = ("attention", "moe", "mlp", "comm", "lm_head", "other")
 HEAD_START_CYCLES = 200_000_000   # ~0.1 s of GPU spin before an eager phase-timed step or verify
@@ -60,11 +61,8 @@ def decode_forward(model: Transformer, tok: torch.Tensor, prefix_len: torch.Tens
     it is (`Decoder`: unkeyed draws)."""
     b = tok.shape[0]
     pos = prefix_len.long().view(b, 1)                                          # [B, 1] rope positions
-    if routing is not None:
-        routing.key = keys
-    logits, _ = model(tok, pos, cache, prefix_len, visible)                     # [B, 1, V]
-    if routing is not None:
-        routing.key = None
+    with keyed(routing, keys):
+        logits, _ = model(tok, pos, cache, prefix_len, visible)                 # [B, 1, V]
     return logits, logits.argmax(-1)
 
 

@@ -33,6 +33,8 @@ real router pays none of it); the keys cost a few element-wise launches a step.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ddbench.engine.config import ConfigError
@@ -61,6 +63,21 @@ def parse_routing(text: str) -> tuple[str, float]:
 def default_routing(text: str | None, checkpoint) -> str:
     """`--routing` unset: the router's own choice with a checkpoint, uniform draws with random weights."""
     return text if text else ("model" if checkpoint is not None else "uniform")
+
+
+@contextmanager
+def keyed(routing: "Routing | None", keys: torch.Tensor | None, tree: tuple | None = None):
+    """Name one forward's tokens to `routing` (`keys` `[N, T]` long, `PrefixKeys`; `tree` as
+    `Routing.tree` for a DDTree verify) for the body of the `with`, cleared after it however
+    the body ends; `routing` None: nothing to name."""
+    if routing is None:
+        yield
+        return
+    routing.key, routing.tree = keys, tree
+    try:
+        yield
+    finally:
+        routing.key = routing.tree = None
 
 
 class Routing:

@@ -50,7 +50,7 @@ from ddbench.engine.acceptance import (RankCounter, RankProfile, chain_tokens, d
 from ddbench.engine.config import ConfigError
 from ddbench.engine.decode import HEAD_START_CYCLES, decode_forward
 from ddbench.engine.phases import PhaseTimer
-from ddbench.engine.routing import PrefixKeys
+from ddbench.engine.routing import PrefixKeys, keyed
 from ddbench.kernels import ddtree
 
 PHASES = ("draft", "tree", "verify", "accept", "context")
@@ -230,11 +230,8 @@ class Session:
             vis = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(n, t, t)
             start = torch.full((n,), c0, dtype=torch.long, device=dev)
             keys = self.keys.prompt(tokens[:, c0:c1], pos, pos < lens_t.view(n, 1))
-            if self.routing is not None:
-                self.routing.key = keys
-            logits, hid = self.model(tokens[:, c0:c1], pos, self.cache, start, vis, self.hidden_layers)
-            if self.routing is not None:
-                self.routing.key = None
+            with keyed(self.routing, keys):
+                logits, hid = self.model(tokens[:, c0:c1], pos, self.cache, start, vis, self.hidden_layers)
             last = (lens_t - 1 - c0).clamp(0, t - 1)                                 # [N]
             pick = logits.gather(1, last.view(n, 1, 1).expand(n, 1, logits.shape[-1])).squeeze(1).argmax(-1)
             first = torch.where((lens_t - 1 >= c0) & (lens_t - 1 < c1), pick, first)
@@ -623,11 +620,8 @@ class SpecStep(_Stepper):
         self.keys = None
         if s.routing is not None:                                   # keyed draws; overlap follows the tree
             self.keys = s.keys.tree(self.token, positions, self.visible)
-            s.routing.key = self.keys
-            s.routing.tree = (self.parent, self.depth_of, self.depth)
-        logits, self.hid = s.model(self.token, positions, s.cache, s.prefix_len, self.visible, s.hidden_layers)
-        if s.routing is not None:
-            s.routing.tree = s.routing.key = None
+        with keyed(s.routing, self.keys, (self.parent, self.depth_of, self.depth)):
+            logits, self.hid = s.model(self.token, positions, s.cache, s.prefix_len, self.visible, s.hidden_layers)
         self.argmax = logits.argmax(-1)                                       # [N, T]
         self.tie = top2_tied(logits) if self.tied_out else None               # [N, T]
 

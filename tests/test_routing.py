@@ -6,7 +6,7 @@ import torch
 
 from ddbench.engine.config import ConfigError, preset
 from ddbench.engine.model import Transformer
-from ddbench.engine.routing import PrefixKeys, Routing, install, parse_routing
+from ddbench.engine.routing import PrefixKeys, Routing, install, keyed, parse_routing
 from ddbench.engine.weights import init_random
 from ddbench.kernels import ddtree
 from ddbench.kernels.moe import expected_experts_touched
@@ -63,6 +63,25 @@ def test_keyed_draws_depend_only_on_the_key_and_layer():
     r.key = keys[:1, 2:3]                                                    # same key alone: same experts
     d, _ = r(ids[:1], w[:1], 1, 1, layer=1)
     assert torch.equal(d[0], a[2])
+
+
+def test_keyed_names_the_tokens_for_the_body_only():
+    r = Routing("uniform", E, K, "cpu", seed=1)
+    keys, tree = torch.randint(0, PrefixKeys.M, (2, 5)), (torch.zeros(2, 5), torch.zeros(2, 5), 1)
+    ids, w = router_ids(10, 3)
+    with keyed(r, keys, tree):
+        assert r.key is keys and r.tree is tree
+        inside, _ = r(ids, w, 2, 5, layer=1)
+    assert r.key is None and r.tree is None
+    r.key = keys
+    again, _ = r(ids, w, 2, 5, layer=1)
+    assert torch.equal(inside, again)                                       # the body's draws were keyed
+    r.key = None
+    with pytest.raises(RuntimeError), keyed(r, keys):
+        raise RuntimeError("a forward that fails")
+    assert r.key is None and r.tree is None                                  # cleared on the way out
+    with keyed(None, keys):                                                  # no hook: nothing to name
+        pass
 
 
 def prefix_hash(tokens: list[int]) -> int:
