@@ -141,11 +141,11 @@ def report(
     fmt: str = typer.Option("png", "--format", help="Plot format: png or svg."),
     runs: Optional[str] = typer.Option(None, "--runs", help="Runs to report: 'all', or a comma list of "
                                        "run names (parts of file names) to compare (default: the latest "
-                                       "run of each command)."),
+                                       "run of each command on each GPU)."),
     results_md: Optional[Path] = typer.Option(None, "--results-md", help="Also write the tables (no plots) "
                                               "to this Markdown file, e.g. docs/RESULTS.md; in a git work tree, from committed runs only."),
 ):
-    """Report the latest run of each command (tables + plots) in OUT/report.md."""
+    """Report the latest run of each command on each GPU (tables + plots) in OUT/report.md."""
     from ddbench.report import run
 
     run(paths or [Path("results")], out, fmt, runs=runs, results_md=results_md)

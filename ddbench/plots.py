@@ -359,8 +359,8 @@ SERIES = ["decoder", "_profile", "_routing", "concurrency"]     # one e2e series
 
 
 def e2e_frame(runs, labels=None) -> pd.DataFrame:
-    """All e2e rows; `_profile` names the series: the acceptance profile, and the run (by
-    what differs) where several runs measured the same profile at the same concurrency."""
+    """All e2e rows; `_profile` names the series: the acceptance profile, and the run (its GPU,
+    or else what differs) where several runs measured the same profile at the same concurrency."""
     frames = [df.assign(_run=run.name, _rl=(labels or {}).get(run.name, run.name), _gpu=getattr(run, "gpu", "")) for run, df in runs
               if "decoder" in df]
     if not frames:
@@ -379,7 +379,10 @@ def e2e_frame(runs, labels=None) -> pd.DataFrame:
     # `_routing`: a run with the router's choice and one with uniform draws are different series
     df["_routing"] = df["routing"].fillna("").astype(str) if "routing" in df else ""
     if len(df) and df.groupby(SERIES)["_run"].nunique().max() > 1:
-        df["_profile"] = df["_profile"] + " [" + df["_rl"].astype(str).str.slice(0, 40) + "]"
+        # the card where that alone tells the runs apart (the latest run of each GPU), else the label
+        by_gpu = df.groupby(SERIES + ["_gpu"])["_run"].nunique().max() == 1
+        tag = df["_gpu"].astype(str) if by_gpu else df["_rl"].astype(str).str.slice(0, 40)
+        df["_profile"] = df["_profile"] + " [" + tag + "]"
     return df
 
 
@@ -406,8 +409,10 @@ def e2e(runs, labels, out, fmt, reference=None):
                 if pred:
                     ax.plot(g.index, g[pred], "-", color=line.get_color(), label=f"{prof} model")
             a = ar[ar["concurrency"] == c]
-            if len(a):
-                ax.axhline(a["_tps"].max(), color="gray", ls=":", label="engine AR")
+            cards = sorted(a["_gpu"].astype(str).unique())
+            for card, shade in zip(cards, ("gray", "darkgray", "silver", "dimgray")):   # a line a card
+                ax.axhline(a[a["_gpu"].astype(str) == card]["_tps"].max(), color=shade, ls=":",
+                           label=f"engine AR ({card})" if len(cards) > 1 else "engine AR")
             for name, tps in (reference or {}).get(int(c), []):
                 ax.axhline(tps, color="black", ls="--", lw=1, label=name)
             _log2_x(ax)

@@ -1,9 +1,11 @@
 """`ddbench report`: the latest run of each command, as tables and plots.
 
 By default every folder given is searched for runs (`ddbench.runs.list_runs`) and the
-newest run of each command is reported (with the runs a script made beside it, such as
-one process per concurrency); `--runs all` reports every run, `--runs A,B` the runs whose
-file name contains A or B (to compare them: plot series are labelled by what differs
+newest run of each command on each GPU is reported, with the runs a script made beside it,
+such as one process per concurrency (a newer run on one card does not hide another card's
+figures; where runs of several cards are reported, each table row names its card and the
+engine-vs-SGLang table has a row a card); `--runs all` reports every run, `--runs A,B` the
+runs whose file name contains A or B (to compare them: plot series are labelled by what differs
 between their command lines). A CSV given by path is always reported. Each command gets a
 table of its key numbers, naming the run (file, date, GPU, command line) and marking an
 interrupted run, then its plots. `--results-md` also writes the tables alone, with no
@@ -80,12 +82,13 @@ def select(paths, runs_opt: str | None, committed_only: bool = False) -> tuple[l
     return found, [r for r in found if r.csv.resolve() in keep]
 
 
-def latest_runs_of(runs: list[Run]) -> dict[str, Run]:
-    """latest_runs over an already-listed set of runs (several folders)."""
+def latest_runs_of(runs: list[Run]) -> dict[tuple[str, str], Run]:
+    """{(command, gpu): its newest run} over an already-listed set of runs (several folders)."""
     latest = {}
     for r in runs:
-        if r.kind == MAIN_KIND[r.command] and (r.command not in latest or _key(r) >= _key(latest[r.command])):
-            latest[r.command] = r
+        at = (r.command, r.gpu)
+        if r.kind == MAIN_KIND[r.command] and (at not in latest or _key(r) >= _key(latest[at])):
+            latest[at] = r
     return latest
 
 
@@ -116,6 +119,13 @@ def md_table(header: list[str], rows: list[list]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
     return out + [""]
+
+
+def run_name(run, runs) -> str:
+    """A table's name for `run` among `runs` ([(run, frame)]): its file name, after its GPU
+    where the runs come from several cards."""
+    several = len({getattr(r, "gpu", "") for r, _ in runs}) > 1
+    return f"{run.gpu}/{run.name}" if several else run.name
 
 
 def run_header(r: Run) -> list[str]:
@@ -153,7 +163,7 @@ def table_moe(runs) -> list[str]:
         if "cuda_graph" in lay and truthy(lay["cuda_graph"]).any():
             lay = lay[truthy(lay["cuda_graph"])]
         for _, r in lay.sort_values(["backend", "routing"]).assign(t=num(lay, "tokens")).sort_values("t").iterrows():
-            rows.append([run.name if len(runs) > 1 else None, r.get("backend"), r.get("routing"), int(r["t"]),
+            rows.append([run_name(run, runs) if len(runs) > 1 else None, r.get("backend"), r.get("routing"), int(r["t"]),
                          _f(r.get("time_us")), _f(r.get("floor_bytes_us")), _f(r.get("pct_of_copy_bw")),
                          _f(r.get("tflops"))])
     if not rows:
@@ -177,7 +187,7 @@ def table_allreduce(runs) -> list[str]:
             pick = [s for i, s in enumerate(sizes) if i % 4 == 0 or s == sizes[-1]]
             for _, r in d[d["s"].isin(pick)].iterrows():
                 n = int(_f(r.get("n_ranks")) or 1)
-                rows.append([run.name, mode, n, _size(r["s"]), _f(r.get("time_us")), _f(r.get("algbw_gbps")),
+                rows.append([run_name(run, runs), mode, n, _size(r["s"]), _f(r.get("time_us")), _f(r.get("algbw_gbps")),
                              _f(r.get("busbw_gbps")) if n > 1 else "n/a (1 GPU)"])
     if not rows:
         return ["No all-reduce rows.", ""]
@@ -200,7 +210,7 @@ def table_tree(runs) -> list[str]:
             continue
         d = df[df["variant"].isna()] if "variant" in df else df
         for _, r in d.iterrows():
-            rows.append([run.name if len(runs) > 1 else None, r["kernel"], _i(r.get("streams")), _i(r.get("budget")),
+            rows.append([run_name(run, runs) if len(runs) > 1 else None, r["kernel"], _i(r.get("streams")), _i(r.get("budget")),
                          _i(r.get("t")), _i(r.get("prefix")), _i(r.get("heads")), _i(r.get("layers")),
                          _f(r.get("time_us")), _f(r.get("pct_copy_bw")), _f(r.get("tflops"))])
     if not rows:
@@ -222,7 +232,7 @@ def table_decode(runs) -> list[str]:
         if "concurrency" not in df:
             continue
         for _, r in df.iterrows():
-            rows.append([run.name, _i(r.get("concurrency")), _f(r.get("step_us")), _f(r.get("comm_us")),
+            rows.append([run_name(run, runs), _i(r.get("concurrency")), _f(r.get("step_us")), _f(r.get("comm_us")),
                          _f(r.get("step_total_us")), _f(r.get("output_tok_per_s")), _f(r.get("floor_us")),
                          _f(r.get("floor_ratio")),
                          *(_f(r.get(f"{p}_us")) for p in ("attention", "moe", "mlp", "lm_head", "other"))])
@@ -254,12 +264,12 @@ def table_e2e(runs, reference: dict) -> list[str]:
     routing = first_col(df, "routing")
     best = df.dropna(subset=["_tps"])
     best = best.loc[best.groupby(SERIES)["_tps"].idxmax()]
-    rows = []
+    rows, several = [], df["_gpu"].nunique() > 1
     for _, r in best.sort_values(["concurrency", "decoder", "_profile", "_routing"]).iterrows():
         c = _i(r["concurrency"])
         ref = max((t for _, t in reference.get(c, [])), default=None)
         tps = _f(r["_tps"])
-        rows.append([r["_run"], c, r["decoder"], "" if r["decoder"] == "ar" else r["_profile"],
+        rows.append([f"{r['_gpu']}/{r['_run']}" if several else r["_run"], c, r["decoder"], "" if r["decoder"] == "ar" else r["_profile"],
                      (r.get(routing) if routing and isinstance(r.get(routing), str) else "random-weight router"),
                      None if r["decoder"] == "ar" else _i(r.get("budget")), tps, _f(r["output_tok_per_s"]),
                      _f(r.get(pred)) if pred else None, _f(r.get(acc)) if acc else None,
@@ -288,7 +298,7 @@ def table_baseline(runs) -> list[str]:
         if run.kind != "baseline" or "output_tok_per_s" not in df:
             continue
         for _, r in df.iterrows():
-            rows.append([run.name, r.get("label", run.name), _i(r.get("concurrency")), _f(r.get("output_tok_per_s")),
+            rows.append([run_name(run, runs), r.get("label", run.name), _i(r.get("concurrency")), _f(r.get("output_tok_per_s")),
                          _f(r.get("median_ttft_ms")), _f(r.get("median_tpot_ms"))])
     if not rows:
         return ["No baseline rows.", ""]
@@ -378,26 +388,33 @@ def engine_best(by_cmd: dict) -> tuple[dict, bool]:
     return best, flattered
 
 
+def engine_gpus(by_cmd: dict) -> dict[str, dict]:
+    """{gpu: by_cmd restricted to that card's engine runs (decode, e2e)}: the engine's figures
+    are compared with SGLang one card at a time, never a row mixing cards."""
+    gpus = sorted({str(getattr(r, "gpu", "")) for cmd in ("decode", "e2e") for r, _ in by_cmd.get(cmd, [])})
+    return {g: {cmd: [(r, d) for r, d in by_cmd.get(cmd, []) if str(getattr(r, "gpu", "")) == g]
+                for cmd in ("decode", "e2e")} for g in gpus}
+
+
 def summary(by_cmd: dict, reference: dict) -> list[str]:
-    """Engine vs SGLang at concurrency 1 and 10."""
-    best, flattered = engine_best(by_cmd)
-    dec = {c: v[0] for c, v in best["decode"].items()}
-    ar = {c: v[:2] for c, v in best["ar"].items()}
-    spec = {c: v[:2] for c, v in best["ddtree"].items()}
-    low = {c: v[:2] for c, v in best["ddtree_low"].items()}
-    rows = []
+    """Engine vs SGLang at concurrency 1 and 10, a row for each concurrency and card."""
+    rows, flattered = [], False
     for c in KEY_CONCURRENCY:
         ref = max((t for _, t in reference.get(c, [])), default=None)
-        ar_best = best["ar_any"].get(c, (None,))[0]
-        sp, setting = spec.get(c, (None, ""))
-        lo, lo_setting = low.get(c, (None, ""))
-        ratio = None
-        if ref and sp:
-            ratio = f"{sp / ref:.2f}x" if lo == sp else f"{lo / ref:.2f}-{sp / ref:.2f}x"
-        gpus = sorted({str(best[k][c][2]) for k in ("decode", "ar", "ddtree", "ddtree_low")
-                       if c in best[k] and best[k][c][2]})
-        rows.append([c, ref, dec.get(c), ar.get(c, (None,))[0], sp, setting, lo, lo_setting,
-                     f"{ar_best / ref:.2f}x" if ref and ar_best else None, ratio, ", ".join(gpus) or None])
+        at_c = []
+        for gpu, on in (engine_gpus(by_cmd).items() or [(None, {})]):
+            best, flat = engine_best(on)
+            flattered |= flat
+            ar_best = best["ar_any"].get(c, (None,))[0]
+            sp, setting = best["ddtree"].get(c, (None, ""))[:2]
+            lo, lo_setting = best["ddtree_low"].get(c, (None, ""))[:2]
+            ratio = None
+            if ref and sp:
+                ratio = f"{sp / ref:.2f}x" if lo == sp else f"{lo / ref:.2f}-{sp / ref:.2f}x"
+            at_c.append([c, ref, best["decode"].get(c, (None,))[0], best["ar"].get(c, (None,))[0], sp, setting, lo,
+                         lo_setting, f"{ar_best / ref:.2f}x" if ref and ar_best else None, ratio, gpu or None])
+        # the cards with a figure at c; where none has one, the reference alone
+        rows += [r for r in at_c if any(v is not None for v in r[2:5])] or [at_c[0][:2] + [None] * 9]
     if not any(any(v is not None for v in r[1:5]) for r in rows):
         return []
     notes = []
@@ -412,14 +429,14 @@ def summary(by_cmd: dict, reference: dict) -> list[str]:
     if flattered:
         notes.append("the DDTree rows ran the random-weight router, which sends a stream's tree nodes to nearly "
                      "the same experts and so flatters the verify MoE (no run with `--routing uniform` yet)")
-    if any(s.startswith("synthetic") for _, s in spec.values()):
+    if any(str(r[5]).startswith("synthetic") for r in rows):
         notes.append("DDTree rows with a `synthetic:N` profile assume that acceptance (mean accepted length set "
                      "by the profile) instead of a trained drafter's")
     text = ("Output tok/s of all streams at each concurrency c, from the runs named in the sections below "
             "(their command lines say what was measured). SGLang's figures are the reported reference. "
             "DDTree's acceptance is a profile's assumption, so its two columns are the profiles whose best "
-            "budgets give the most and the least tok/s. The last column names the GPU of each engine figure "
-            "in the row (the latest run of each command can come from different cards).")
+            "budgets give the most and the least tok/s. Each row is one GPU's latest runs (the last column), "
+            "so cards are never mixed in a row.")
     if notes:
         text += " Caveats: " + "; ".join(notes) + "."
     return ["## Engine vs SGLang", "", text, ""] + md_table(
@@ -508,19 +525,19 @@ def run(paths, out: Path, fmt: str = "png", runs: str | None = None, results_md:
 
 
 def _engine_series(by_cmd) -> list[tuple[str, dict, dict]]:
-    """The plot's engine lines, from `engine_best`: AR (the better of decode and e2e's AR rows)
-    and DDTree at its best and weakest profile, each named with its GPUs, DDTree's points noted
-    with their profile and budget."""
-    best, _ = engine_best(by_cmd)
+    """The plot's engine lines, from `engine_best`, for each card: AR (the better of decode and
+    e2e's AR rows) and DDTree at its best and weakest profile, each named with its GPU,
+    DDTree's points noted with their profile and budget."""
     series = []
-    low = best["ddtree_low"] if best["ddtree_low"] != best["ddtree"] else {}  # one profile: one line
-    for name, pts, noted in (("engine AR", best["ar_any"], False),
-                             ("engine DDTree, best profile" if low else "engine DDTree", best["ddtree"], True),
-                             ("engine DDTree, weakest profile", low, True)):
-        if pts:
-            gpus = ", ".join(sorted({str(v[2]) for v in pts.values()}))
-            series.append((f"{name} ({gpus})", {c: v[0] for c, v in pts.items()},
-                           {c: v[1] for c, v in pts.items()} if noted else {}))
+    for gpu, on in engine_gpus(by_cmd).items():
+        best, _ = engine_best(on)
+        low = best["ddtree_low"] if best["ddtree_low"] != best["ddtree"] else {}  # one profile: one line
+        for name, pts, noted in (("engine AR", best["ar_any"], False),
+                                 ("engine DDTree, best profile" if low else "engine DDTree", best["ddtree"], True),
+                                 ("engine DDTree, weakest profile", low, True)):
+            if pts:
+                series.append((f"{name} ({gpu})", {c: v[0] for c, v in pts.items()},
+                               {c: v[1] for c, v in pts.items()} if noted else {}))
     return series
 
 
@@ -528,7 +545,7 @@ def write_results_md(path: Path, head: list[str], secs: dict, paths) -> None:
     where = ", ".join(str(p) for p in paths)
     lines = ["# Results", "",
              f"Generated by `ddbench report {where} --results-md {path}` from the latest committed run of each "
-             "command; do not edit by hand (rerun the command). Each section names its run: CSV path, date, "
+             "command on each GPU; do not edit by hand (rerun the command). Each section names its run: CSV path, date, "
              "GPU, command line. Plots: run `ddbench report` and open its report.md.", ""]
     lines += head
     for cmd in ORDER:

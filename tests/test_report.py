@@ -207,7 +207,9 @@ def test_headline_ar_rows_are_the_honest_ones():
     dec = [run("du", routing="uniform", output_tok_per_s=748.0), run("dm", routing="model", output_tok_per_s=767.0)]
     text = "\n".join(summary({"e2e": e2e, "decode": dec}, {10: [("SGLang", 517.0)]}))
     assert "| 727 |" in text and "| 748 |" in text and "746" not in text and "767" not in text
-    assert text.splitlines()[-1].endswith("| h100, h200 |")   # the row names the GPU of each figure
+    h100, h200 = text.splitlines()[-2:]                      # a row a card, never one mixing them
+    assert h100 == "| 10 | 517 | 748 | 727 |  |  |  |  | 1.45x |  | h100 |"
+    assert h200.startswith("| 10 | 517 |  |  | 1400 | rank:p b=8 |") and h200.endswith("| 2.71x | h200 |")
     # the report's throughput plot draws the same rows, each line naming its GPU
     assert _engine_series({"e2e": e2e, "decode": dec}) == [
         ("engine AR (h100)", {10: 748.0}, {}), ("engine DDTree (h200)", {10: 1400.0}, {10: "rank:p b=8"})]
@@ -277,3 +279,44 @@ def test_legends_cap_their_entries_and_say_how_many_were_left_out():
     for owner in (fig, axes[0]):
         assert [t.get_text() for t in owner.texts] == ["2 more series not in the legend: choose fewer with --runs"]
     plt.close(fig)
+
+
+def test_a_newer_run_on_one_card_keeps_the_other_cards_latest(tree, tmp_path):
+    """The latest run of each command on each GPU: a newer H100 sweep does not hide the H200's
+    (where the targets are measured), and the table's rows name their card."""
+    write(tree, "h100/moe-sweep/20261205-100000_tp8.csv",
+          [{"backend": "triton", "stage": "layer", "tp": 8, "tokens": t, "routing": "uniform", "time_us": 11.0 * t,
+            "floor_bytes_us": 8.0 * t, "pct_of_copy_bw": 72.7, "tflops": 3.0, "cuda_graph": True} for t in (1, 8)],
+          {"kind": "moe_sweep", "started_at": "2026-12-05T10:00:00+00:00", "command": "ddbench moe-sweep --tp 8",
+           "gpu_name": "NVIDIA H100 80GB HBM3", "tp": 8})
+    text = run([tree], tmp_path / "rep", "png").read_text()
+    assert "h100/moe-sweep/20261205-100000_tp8.csv" in text and "h200/moe-sweep/20261203-100000_new.csv" in text
+    assert "20261201-100000_old" not in text                   # still only the latest of each card
+    assert "| h100/20261205-100000_tp8 | triton | uniform | 8 | 88.0 |" in text
+    assert "| h200/20261203-100000_new | triton | uniform | 64 |" in text
+
+
+def test_e2e_plot_draws_an_ar_line_and_series_per_card(tmp_path, monkeypatch):
+    """Runs of two cards: each card's AR rate is its own line and each profile's series names its
+    card (never one line or point mixing cards)."""
+    from types import SimpleNamespace
+
+    from ddbench.runs import differing_args
+
+    figs = {}
+    real = plots.save
+    monkeypatch.setattr(plots, "save", lambda fig, out, name, fmt: figs.setdefault(name, fig) and real(fig, out, name, fmt))
+
+    def run(gpu, ar, tree):
+        rows = [{"decoder": "ar", "concurrency": 1, "acceptance": "none", "output_tok_per_s": ar, "budget": 0}]
+        rows += [{"decoder": "ddtree", "concurrency": 1, "acceptance": "rank:p", "routing": "uniform", "budget": b,
+                  "output_tok_per_s": tree / b ** 0.3, "step_total_us": 1e4} for b in (8, 16)]
+        return (SimpleNamespace(name=f"20261207-0000{len(gpu)}0_{gpu}", gpu=gpu, command_line="ddbench e2e",
+                                incomplete=False, started=None, date="", meta={}),
+                pd.DataFrame(rows))
+
+    runs = [run("h100", 168.0, 350.0), run("h200", 180.0, 390.0)]
+    plots.e2e(runs, differing_args([r for r, _ in runs]), tmp_path, "png")
+    labels = {line.get_label(): line for ax in figs["e2e_budget"].axes for line in ax.get_lines()}
+    assert labels["engine AR (h100)"].get_ydata()[0] == 168.0 and labels["engine AR (h200)"].get_ydata()[0] == 180.0
+    assert sorted(labels) == ["engine AR (h100)", "engine AR (h200)", "rank:p [h100] measured", "rank:p [h200] measured"]

@@ -65,6 +65,11 @@ def test_session_and_labels(tmp_path):
     assert [r.name for r in session(runs, latest)] == ["a_c1", "a_c10"]  # the nearer c=1 run, not old_c1
     labels = differing_args([r for r in runs if r.name in ("a_c1", "a_c10")])
     assert labels == {"a_c1": "--concurrency 1", "a_c10": "--concurrency 10"}
+    put(tmp_path, "h100/e2e/h_c1.csv", meta("e2e", "2026-12-03T07:00:00+00:00", base + " --concurrency 1",
+                                            git_commit="abc"))
+    runs = list_runs(tmp_path)
+    labels = differing_args([r for r in runs if r.name in ("a_c1", "h_c1")])   # same options, two cards
+    assert labels == {"a_c1": "h200: a_c1", "h_c1": "h100: h_c1"}
 
 
 def test_session_takes_one_scripts_runs_by_their_stamp(tmp_path):
