@@ -7,6 +7,7 @@ legend entry; titles name the run (file, date, GPU) when one run is drawn.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -410,7 +411,7 @@ def e2e(runs, labels, out, fmt, reference=None):
                     ax.plot(g.index, g[pred], "-", color=line.get_color(), label=f"{prof} model")
             a = ar[ar["concurrency"] == c]
             cards = sorted(a["_gpu"].astype(str).unique())
-            for card, shade in zip(cards, ("gray", "darkgray", "silver", "dimgray")):   # a line a card
+            for card, shade in zip(cards, itertools.cycle(("gray", "darkgray", "silver", "dimgray"))):  # a line a card
                 ax.axhline(a[a["_gpu"].astype(str) == card]["_tps"].max(), color=shade, ls=":",
                            label=f"engine AR ({card})" if len(cards) > 1 else "engine AR")
             for name, tps in (reference or {}).get(int(c), []):

@@ -121,11 +121,14 @@ def md_table(header: list[str], rows: list[list]) -> list[str]:
     return out + [""]
 
 
-def run_name(run, runs) -> str:
-    """A table's name for `run` among `runs` ([(run, frame)]): its file name, after its GPU
-    where the runs come from several cards."""
-    several = len({getattr(r, "gpu", "") for r, _ in runs}) > 1
-    return f"{run.gpu}/{run.name}" if several else run.name
+def several_cards(runs) -> bool:
+    """Whether `runs` ([(run, frame)]) come from more than one GPU."""
+    return len({getattr(r, "gpu", "") for r, _ in runs}) > 1
+
+
+def run_name(name: str, gpu: str, several: bool) -> str:
+    """A table's name for a run: its file name, after its GPU where the table holds several cards."""
+    return f"{gpu}/{name}" if several else name
 
 
 def run_header(r: Run) -> list[str]:
@@ -155,7 +158,7 @@ def _f(v):
 def table_moe(runs) -> list[str]:
     from ddbench.plots import num, truthy
 
-    rows = []
+    rows, several = [], several_cards(runs)
     for run, df in runs:
         if "stage" not in df:
             continue
@@ -163,7 +166,7 @@ def table_moe(runs) -> list[str]:
         if "cuda_graph" in lay and truthy(lay["cuda_graph"]).any():
             lay = lay[truthy(lay["cuda_graph"])]
         for _, r in lay.sort_values(["backend", "routing"]).assign(t=num(lay, "tokens")).sort_values("t").iterrows():
-            rows.append([run_name(run, runs) if len(runs) > 1 else None, r.get("backend"), r.get("routing"), int(r["t"]),
+            rows.append([run_name(run.name, run.gpu, several) if len(runs) > 1 else None, r.get("backend"), r.get("routing"), int(r["t"]),
                          _f(r.get("time_us")), _f(r.get("floor_bytes_us")), _f(r.get("pct_of_copy_bw")),
                          _f(r.get("tflops"))])
     if not rows:
@@ -177,7 +180,7 @@ def table_moe(runs) -> list[str]:
 def table_allreduce(runs) -> list[str]:
     from ddbench.plots import num
 
-    rows = []
+    rows, several = [], several_cards(runs)
     for run, df in runs:
         if "size_bytes" not in df:
             continue
@@ -187,7 +190,7 @@ def table_allreduce(runs) -> list[str]:
             pick = [s for i, s in enumerate(sizes) if i % 4 == 0 or s == sizes[-1]]
             for _, r in d[d["s"].isin(pick)].iterrows():
                 n = int(_f(r.get("n_ranks")) or 1)
-                rows.append([run_name(run, runs), mode, n, _size(r["s"]), _f(r.get("time_us")), _f(r.get("algbw_gbps")),
+                rows.append([run_name(run.name, run.gpu, several), mode, n, _size(r["s"]), _f(r.get("time_us")), _f(r.get("algbw_gbps")),
                              _f(r.get("busbw_gbps")) if n > 1 else "n/a (1 GPU)"])
     if not rows:
         return ["No all-reduce rows.", ""]
@@ -204,13 +207,13 @@ def _size(b) -> str:
 
 
 def table_tree(runs) -> list[str]:
-    rows = []
+    rows, several = [], several_cards(runs)
     for run, df in runs:
         if "kernel" not in df:
             continue
         d = df[df["variant"].isna()] if "variant" in df else df
         for _, r in d.iterrows():
-            rows.append([run_name(run, runs) if len(runs) > 1 else None, r["kernel"], _i(r.get("streams")), _i(r.get("budget")),
+            rows.append([run_name(run.name, run.gpu, several) if len(runs) > 1 else None, r["kernel"], _i(r.get("streams")), _i(r.get("budget")),
                          _i(r.get("t")), _i(r.get("prefix")), _i(r.get("heads")), _i(r.get("layers")),
                          _f(r.get("time_us")), _f(r.get("pct_copy_bw")), _f(r.get("tflops"))])
     if not rows:
@@ -227,12 +230,12 @@ def _i(v):
 
 
 def table_decode(runs) -> list[str]:
-    rows = []
+    rows, several = [], several_cards(runs)
     for run, df in runs:
         if "concurrency" not in df:
             continue
         for _, r in df.iterrows():
-            rows.append([run_name(run, runs), _i(r.get("concurrency")), _f(r.get("step_us")), _f(r.get("comm_us")),
+            rows.append([run_name(run.name, run.gpu, several), _i(r.get("concurrency")), _f(r.get("step_us")), _f(r.get("comm_us")),
                          _f(r.get("step_total_us")), _f(r.get("output_tok_per_s")), _f(r.get("floor_us")),
                          _f(r.get("floor_ratio")),
                          *(_f(r.get(f"{p}_us")) for p in ("attention", "moe", "mlp", "lm_head", "other"))])
@@ -264,12 +267,12 @@ def table_e2e(runs, reference: dict) -> list[str]:
     routing = first_col(df, "routing")
     best = df.dropna(subset=["_tps"])
     best = best.loc[best.groupby(SERIES)["_tps"].idxmax()]
-    rows, several = [], df["_gpu"].nunique() > 1
+    rows, several = [], several_cards(runs)
     for _, r in best.sort_values(["concurrency", "decoder", "_profile", "_routing"]).iterrows():
         c = _i(r["concurrency"])
         ref = max((t for _, t in reference.get(c, [])), default=None)
         tps = _f(r["_tps"])
-        rows.append([f"{r['_gpu']}/{r['_run']}" if several else r["_run"], c, r["decoder"], "" if r["decoder"] == "ar" else r["_profile"],
+        rows.append([run_name(r["_run"], r["_gpu"], several), c, r["decoder"], "" if r["decoder"] == "ar" else r["_profile"],
                      (r.get(routing) if routing and isinstance(r.get(routing), str) else "random-weight router"),
                      None if r["decoder"] == "ar" else _i(r.get("budget")), tps, _f(r["output_tok_per_s"]),
                      _f(r.get(pred)) if pred else None, _f(r.get(acc)) if acc else None,
@@ -293,12 +296,12 @@ def table_e2e(runs, reference: dict) -> list[str]:
 
 
 def table_baseline(runs) -> list[str]:
-    rows = []
+    rows, several = [], several_cards(runs)
     for run, df in runs:
         if run.kind != "baseline" or "output_tok_per_s" not in df:
             continue
         for _, r in df.iterrows():
-            rows.append([run_name(run, runs), r.get("label", run.name), _i(r.get("concurrency")), _f(r.get("output_tok_per_s")),
+            rows.append([run_name(run.name, run.gpu, several), r.get("label", run.name), _i(r.get("concurrency")), _f(r.get("output_tok_per_s")),
                          _f(r.get("median_ttft_ms")), _f(r.get("median_tpot_ms"))])
     if not rows:
         return ["No baseline rows.", ""]
@@ -388,23 +391,23 @@ def engine_best(by_cmd: dict) -> tuple[dict, bool]:
     return best, flattered
 
 
-def engine_gpus(by_cmd: dict) -> dict[str, dict]:
-    """{gpu: by_cmd restricted to that card's engine runs (decode, e2e)}: the engine's figures
-    are compared with SGLang one card at a time, never a row mixing cards."""
+def engine_best_by_gpu(by_cmd: dict) -> dict[str, tuple[dict, bool]]:
+    """{gpu: `engine_best` of that card's engine runs (decode, e2e)}: the engine's figures are
+    compared with SGLang one card at a time, never a row mixing cards."""
     gpus = sorted({str(getattr(r, "gpu", "")) for cmd in ("decode", "e2e") for r, _ in by_cmd.get(cmd, [])})
-    return {g: {cmd: [(r, d) for r, d in by_cmd.get(cmd, []) if str(getattr(r, "gpu", "")) == g]
-                for cmd in ("decode", "e2e")} for g in gpus}
+    return {g: engine_best({cmd: [(r, d) for r, d in by_cmd.get(cmd, []) if str(getattr(r, "gpu", "")) == g]
+                            for cmd in ("decode", "e2e")}) for g in gpus}
 
 
 def summary(by_cmd: dict, reference: dict) -> list[str]:
     """Engine vs SGLang at concurrency 1 and 10, a row for each concurrency and card."""
-    rows, flattered = [], False
+    by_gpu = engine_best_by_gpu(by_cmd) or {None: engine_best({})}
+    flattered = any(flat for _, flat in by_gpu.values())
+    rows = []
     for c in KEY_CONCURRENCY:
         ref = max((t for _, t in reference.get(c, [])), default=None)
         at_c = []
-        for gpu, on in (engine_gpus(by_cmd).items() or [(None, {})]):
-            best, flat = engine_best(on)
-            flattered |= flat
+        for gpu, (best, _) in by_gpu.items():
             ar_best = best["ar_any"].get(c, (None,))[0]
             sp, setting = best["ddtree"].get(c, (None, ""))[:2]
             lo, lo_setting = best["ddtree_low"].get(c, (None, ""))[:2]
@@ -529,8 +532,7 @@ def _engine_series(by_cmd) -> list[tuple[str, dict, dict]]:
     e2e's AR rows) and DDTree at its best and weakest profile, each named with its GPU,
     DDTree's points noted with their profile and budget."""
     series = []
-    for gpu, on in engine_gpus(by_cmd).items():
-        best, _ = engine_best(on)
+    for gpu, (best, _) in engine_best_by_gpu(by_cmd).items():
         low = best["ddtree_low"] if best["ddtree_low"] != best["ddtree"] else {}  # one profile: one line
         for name, pts, noted in (("engine AR", best["ar_any"], False),
                                  ("engine DDTree, best profile" if low else "engine DDTree", best["ddtree"], True),
