@@ -38,7 +38,7 @@ for step in ${STEPS:-sweep e2e sweep_before e2e_before}; do
     probe) timeout 120 python3 -m experiments.scripts.moe_decode_probe "$RUNS/${GPU}_${S}_probe.csv" $PROBE_V 2>&1 | tail -7 ;;
     check) timeout 240 python3 scripts/gpu/moe_marlin_check.py "$RUNS/check" "${CHECK_T:-512,1024,2048,4096}" "${CHECK_V:-m2,w4}" 2>&1 | tail -8
            mv "$RUNS/check/moe_marlin_check.csv" "$RUNS/${GPU}_${S}_check.csv" 2>/dev/null; rmdir "$RUNS/check" 2>/dev/null ;;
-    variants) timeout 240 python3 -m experiments.scripts.moe_marlin_variants "$RUNS/${GPU}_${S}_variants.csv" \
+    variants) timeout ${MV_TIMEOUT:-240} python3 -m experiments.scripts.moe_marlin_variants "$RUNS/${GPU}_${S}_variants.csv" \
                 "${MV_T:-8,16,32,64,96,128,256,512}" "${MV_V:-addr,f16,addr_f16}" 2>&1 | tail -10 ;;
     ncu) timeout 300 bash experiments/scripts/ncu.sh wide experiments.scripts.moe_ncu wide "${NCU_T:-4096}" 2>&1 | tail -9 ;;
     sweep) timeout -s INT 100 python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8" 2>&1 | rows ;;
