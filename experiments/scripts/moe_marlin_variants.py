@@ -17,16 +17,9 @@ patch of a copy of the source, compiled beside it (kernels/_probe_marlin_<name>.
   addr_f16  both. SASS a stage, NG 2, 5 stages: w13 437 -> 352 / 331 -> 278, w2 373 -> 323 /
         314 -> 268; NG 1: w13 347 -> 292.
   (addr, f16, addr_f16 ran on an H100 on 2026-12-07: docs/notes/moe.md "Tried and dropped".)
-  ring2 / xring / xring_f  moe_w2 rewritten with its ring running on across a warp's items
-        (experiments/moe_w2_ring.cu): the next item's first STAGES - 1 stages issued after the
-        epilogue (ring2, the product's order: the rewrite's control), before the epilogue's
-        stores (xring) or after its fence (xring_f). Bitwise the product's.
-  ksum / xring_ksum  w2's epilogue only writes the weighted rows; a fourth launch
-        (`marlin_ksum`) sums a token's k rows in slot order (ring2's / xring's order).
-  sk / sk_xring  moe_w13 by stream-K (experiments/moe_w13_sk.cu): every warp an equal range of
-        the units' K stages (no second round of whole items for a few warps), the cut units'
-        fp32 partials summed in segment order by the last to finish; sk_xring with xring's w2.
-        Not bitwise the product's where the cuts differ from its K splits.
+  (Variants ring2 / xring / xring_f / ksum / xring_ksum of moe_w2 and sk of moe_w13 (stream-K)
+  ran on an H100 on 2026-12-08 from commit 186e70e; the k sum apart and stream-K are built as
+  experiments/pending/moe_ksum_sk.patch.)
 
     python3 -m experiments.scripts.moe_marlin_variants OUT.csv [T,T,...] [variant,...]
 """
@@ -133,46 +126,10 @@ def addr(text: str) -> str:
     return replace_all(text, ADDR)
 
 
-W2_HEAD = 'extern "C" __global__ void __launch_bounds__(THREADS, NG <= 2 && W2B <= 2 ? 3 : 1)'
-W2_RING = Path(__file__).parents[1] / "moe_w2_ring.cu"
-
-
-def w2_ring(at: int, ksum_apart: bool):
-    """moe_w2 replaced by experiments/moe_w2_ring.cu's (XR_AT at, KSUM_APART ksum_apart)."""
-    def patch(text: str) -> str:
-        if text.count(W2_HEAD) != 1:
-            raise ValueError("moe_w2's declaration not found once in moe_marlin.cu")
-        return (text[:text.index(W2_HEAD)] + f"#define XR_AT {at}\n#define KSUM_APART {int(ksum_apart)}\n"
-                + W2_RING.read_text())
-    return patch
-
-
 # name -> (patch of the source text, dtype of x the variant takes)
 VARIANTS = {"addr": (addr, torch.bfloat16),
             "f16": (lambda text: replace_all(text, F16), torch.float16),
-            "addr_f16": (lambda text: replace_all(addr(text), F16), torch.float16),
-            "ring2": (w2_ring(2, False), torch.bfloat16),        # the product's order, rewritten: the control
-            "xring": (w2_ring(0, False), torch.bfloat16),
-            "xring_f": (w2_ring(1, False), torch.bfloat16),
-            "ksum": (w2_ring(2, True), torch.bfloat16),
-            "xring_ksum": (w2_ring(0, True), torch.bfloat16)}
-KSUM_APART = {"ksum", "xring_ksum"}
-W13_HEAD = 'extern "C" __global__ void __launch_bounds__(THREADS)\nmoe_w13('
-W13_END = "// ------------------------------------------------------------------------------------ w2"
-W13_SK = Path(__file__).parents[1] / "moe_w13_sk.cu"
-MAX_SEGS = 33          # stream-K: the most warps a unit's stages are cut over
-
-
-def w13_sk(text: str) -> str:
-    """moe_w13 replaced by experiments/moe_w13_sk.cu's stream-K version."""
-    return replace_between(text, W13_HEAD, W13_END, W13_SK.read_text() + W13_END)
-
-
-VARIANTS |= {"sk": (w13_sk, torch.bfloat16),
-             "sk_xring": (lambda text: w2_ring(0, False)(w13_sk(text)), torch.bfloat16)}
-STREAM_K = {"sk", "sk_xring"}
-
-
+            "addr_f16": (lambda text: replace_all(addr(text), F16), torch.float16)}
 def variant_source(name: str) -> str:
     """Variant `name` written beside the kernel; its file name."""
     path = SRC.with_name(f"_probe_marlin_{name}.cu")
@@ -196,62 +153,11 @@ def use_source(src: str) -> None:
     mm._grid.cache_clear()
 
 
-def run(x: torch.Tensor, route: tuple, w, tiles: dict, ksum_apart: bool = False,
-        stream_k: bool = False) -> torch.Tensor:
+def run(x: torch.Tensor, route: tuple, w, tiles: dict) -> torch.Tensor:
     """kernels.moe_marlin's three launches (fused_moe_marlin without its bf16 check, so a variant
-    may take fp16 x); ksum_apart: w2 leaves its weighted rows in its scratch and `marlin_ksum`
-    (the variant's fourth launch) sums them; stream_k: w13 takes max_segs for its split count."""
+    may take fp16 x)."""
     routing = mm.plan(route[0], w.n_experts, 8 * tiles["ng"])
-    act = (_w13_sk(x, routing, route[0].shape[1], w, tiles) if stream_k
-           else mm.marlin_w13(x, routing, route[0].shape[1], w, tiles))
-    if not ksum_apart:
-        return mm.marlin_w2(act, routing, route[1], w, tiles)
-    t, k = route[1].shape
-    ypart = torch.empty(t * k, w.hidden, dtype=torch.bfloat16, device=x.device)
-    out = torch.empty(t, w.hidden, dtype=torch.bfloat16, device=x.device)
-    _w2_into(act, routing, route[1], w, tiles, ypart)
-    ks = mm._kernel("marlin_ksum", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, w.hidden, w.inter, k,
-                    x.device, tiles["w2b"])
-    ks(-(-t * (w.hidden // 8) // 256), 256, 0, [ypart, out, t, 2], pdl=True)
-    return out
-
-
-def max_segs(tokens: int, top_k: int, ch: int, pairs: int, nst: int, warps: int) -> int:
-    """The most warps one unit's nst stages can meet under stream-K: the fewest units a routing of
-    these tokens can have (top_k distinct experts, CH rows a block) bound the stages a warp takes
-    from below; at most MAX_SEGS (the kernel then takes longer ranges)."""
-    units = pairs * max(top_k, -(-tokens * top_k // ch))
-    per_warp = -(-units * nst // warps)
-    return min(MAX_SEGS, -(-nst // per_warp) + 1)
-
-
-def _w13_sk(x, routing, top_k, w, tiles) -> torch.Tensor:
-    """moe_w13's launch as kernels.moe_marlin.marlin_w13 makes it, with MAX_SEGS partial slots."""
-    sorted_ids, block_expert, block_rows, n_blocks = routing
-    rows = sorted_ids.numel()
-    k = mm._kernel("moe_w13", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, w.hidden, w.inter, top_k,
-                   x.device, tiles["w2b"])
-    grid = mm._grid("moe_w13", mm._key(tiles), w.group_size, w.hidden, w.inter, top_k, x.device)
-    segs = max_segs(x.shape[0], top_k, 8 * tiles["ng"], w.inter // 64, w.hidden // 32, grid * tiles["warps"])
-    act = torch.empty(rows, w.inter, dtype=torch.bfloat16, device=x.device)
-    part = torch.empty(segs * rows * 2 * w.inter, dtype=torch.float32, device=x.device)
-    tk = mm.tickets(x.device, block_expert.numel() * (w.inter // 64))
-    k(grid, 32 * tiles["warps"], mm.shared_bytes(tiles, "moe_w13"),
-      [x.contiguous(), w.w13, w.w13_scale, sorted_ids, block_expert, block_rows, n_blocks, segs, rows, part, tk,
-       act, 2], pdl=True)
-    return act
-
-
-def _w2_into(act, routing, topk_weights, w, tiles, ypart) -> None:
-    """moe_w2's launch as kernels.moe_marlin.marlin_w2 makes it, with the scratch `ypart` given."""
-    sorted_ids, block_expert, block_rows, n_blocks = routing
-    t, top_k = topk_weights.shape
-    k = mm._kernel("moe_w2", tiles["ng"], tiles["stages"], tiles["warps"], w.group_size, w.hidden, w.inter, top_k,
-                   act.device, tiles["w2b"])
-    grid = mm._grid("moe_w2", mm._key(tiles), w.group_size, w.hidden, w.inter, top_k, act.device)
-    k(grid, 32 * tiles["warps"], mm.shared_bytes(tiles, "moe_w2"),
-      [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
-       topk_weights.reshape(-1).float().contiguous(), ypart, mm.tickets(act.device, 1), ypart, 2], pdl=True)
+    return mm.marlin_w2(mm.marlin_w13(x, routing, route[0].shape[1], w, tiles), routing, route[1], w, tiles)
 
 
 def main(out: str, tokens: str = "8,16,32,64,96,128,256,512", names: str = "addr,f16,addr_f16") -> None:
@@ -276,18 +182,17 @@ def main(out: str, tokens: str = "8,16,32,64,96,128,256,512", names: str = "addr
                     xv = [x.to(dtype) for x in xs]
                     it = iter(range(10**9))
 
-                    apart, sk = name in KSUM_APART, name in STREAM_K
 
                     def call():
                         r = next(it) % ROT
-                        return run(xv[r], routes[r], w, tiles, apart, sk)
+                        return run(xv[r], routes[r], w, tiles)
                     st = timing.bench(call, device=dev, warmup=2, reps=20, graph=True, graph_ops=ROT)
-                    y = run(xv[0], routes[0], w, tiles, apart, sk)
+                    y = run(xv[0], routes[0], w, tiles)
                     outs.setdefault(name, y)
                     rows.append(dict(tokens=t, variant=name, rep=rep, tiles=mm.tile_name(tiles),
                                      layer_us=round(st.median_us, 2),
                                      rel_err=f"{((y.float() - ref).norm() / ref.norm()).item():.2e}",
-                                     bitwise_repeat=bool(torch.equal(y, run(xv[0], routes[0], w, tiles, apart, sk))),
+                                     bitwise_repeat=bool(torch.equal(y, run(xv[0], routes[0], w, tiles))),
                                      equal_to_product=bool(torch.equal(y, outs["product"]))))
                     print(rows[-1], flush=True)
     finally:
