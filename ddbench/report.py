@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ddbench import UserError
 from ddbench.results import atomic_write_text, ensure_out_dir
-from ddbench.runs import MAIN_KIND, Run, differing_args, list_runs, session
+from ddbench.runs import MAIN_KIND, Run, differing_args, list_runs, session, several_cards
 
 ORDER = ("e2e", "decode", "moe-sweep", "allreduce", "tree-bench", "baseline")
 KEY_CONCURRENCY = (1, 10)
@@ -121,11 +121,6 @@ def md_table(header: list[str], rows: list[list]) -> list[str]:
     return out + [""]
 
 
-def several_cards(runs) -> bool:
-    """Whether `runs` ([(run, frame)]) come from more than one GPU."""
-    return len({getattr(r, "gpu", "") for r, _ in runs}) > 1
-
-
 def run_name(name: str, gpu: str, several: bool) -> str:
     """A table's name for a run: its file name, after its GPU where the table holds several cards."""
     return f"{gpu}/{name}" if several else name
@@ -158,7 +153,7 @@ def _f(v):
 def table_moe(runs) -> list[str]:
     from ddbench.plots import num, truthy
 
-    rows, several = [], several_cards(runs)
+    rows, several = [], several_cards(r for r, _ in runs)
     for run, df in runs:
         if "stage" not in df:
             continue
@@ -180,7 +175,7 @@ def table_moe(runs) -> list[str]:
 def table_allreduce(runs) -> list[str]:
     from ddbench.plots import num
 
-    rows, several = [], several_cards(runs)
+    rows, several = [], several_cards(r for r, _ in runs)
     for run, df in runs:
         if "size_bytes" not in df:
             continue
@@ -207,7 +202,7 @@ def _size(b) -> str:
 
 
 def table_tree(runs) -> list[str]:
-    rows, several = [], several_cards(runs)
+    rows, several = [], several_cards(r for r, _ in runs)
     for run, df in runs:
         if "kernel" not in df:
             continue
@@ -230,7 +225,7 @@ def _i(v):
 
 
 def table_decode(runs) -> list[str]:
-    rows, several = [], several_cards(runs)
+    rows, several = [], several_cards(r for r, _ in runs)
     for run, df in runs:
         if "concurrency" not in df:
             continue
@@ -267,7 +262,7 @@ def table_e2e(runs, reference: dict) -> list[str]:
     routing = first_col(df, "routing")
     best = df.dropna(subset=["_tps"])
     best = best.loc[best.groupby(SERIES)["_tps"].idxmax()]
-    rows, several = [], several_cards(runs)
+    rows, several = [], several_cards(r for r, _ in runs)
     for _, r in best.sort_values(["concurrency", "decoder", "_profile", "_routing"]).iterrows():
         c = _i(r["concurrency"])
         ref = max((t for _, t in reference.get(c, [])), default=None)
@@ -296,7 +291,7 @@ def table_e2e(runs, reference: dict) -> list[str]:
 
 
 def table_baseline(runs) -> list[str]:
-    rows, several = [], several_cards(runs)
+    rows, several = [], several_cards(r for r, _ in runs)
     for run, df in runs:
         if run.kind != "baseline" or "output_tok_per_s" not in df:
             continue

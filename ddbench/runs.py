@@ -169,6 +169,11 @@ def _measure_args(command_line: str) -> list[str]:
     return kept
 
 
+def several_cards(runs) -> bool:
+    """Whether `runs` (Run objects) come from more than one GPU."""
+    return len({getattr(r, "gpu", "") for r in runs}) > 1
+
+
 def differing_args(runs: list[Run]) -> dict[str, str]:
     """{run name: the options where its command line differs from the others'}: a label
     that says what changed between runs (falls back to the run's name), after the run's GPU
@@ -203,7 +208,7 @@ def differing_args(runs: list[Run]) -> dict[str, str]:
     if len(set(labels.values())) < len(labels):  # same command lines: name the runs
         labels = {r.name: f"{r.name} ({labels[r.name]})" if labels[r.name] != r.name else r.name
                   for r in runs}
-    if len({getattr(r, "gpu", "") for r in runs}) > 1:    # runs of several cards: each label names its card
+    if several_cards(runs):                               # runs of several cards: each label names its card
         labels = {r.name: f"{r.gpu}: {labels[r.name]}" for r in runs}
     return labels
 
