@@ -13,6 +13,8 @@ from ddbench.kernels.cuda import Kernel
 HERE = Path(__file__).resolve().parent
 
 
-def kernel(source: str, name: str, defines: dict[str, int], device: torch.device) -> Kernel:
-    """`extern "C"` kernel `name` of experiments/`source`, compiled with `defines` for `device`."""
-    return Kernel(str(HERE / source), name, {**defines, "PROBE_COMMON": f'"{HERE / "probe_common.cuh"}"'}, device)
+def kernel(source: str, name: str, defines: dict[str, int], device: torch.device, arch_suffix: str = "") -> Kernel:
+    """`extern "C"` kernel `name` of experiments/`source`, compiled with `defines` for `device`
+    (arch_suffix "a": sm_90a)."""
+    return Kernel(str(HERE / source), name, {**defines, "PROBE_COMMON": f'"{HERE / "probe_common.cuh"}"'}, device,
+                  arch_suffix)

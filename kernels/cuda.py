@@ -105,11 +105,13 @@ def cubin(source: str, defines: tuple[tuple[str, int], ...], arch: str) -> bytes
 
 
 class Kernel:
-    """One `extern "C"` kernel of a .cu file, compiled with `defines`, on one device."""
+    """One `extern "C"` kernel of a .cu file, compiled with `defines`, on one device, for the
+    device's architecture with `arch_suffix` appended ("a": sm_90a, the architecture-specific
+    features such as wgmma)."""
 
-    def __init__(self, source: str, name: str, defines: dict[str, int], device: torch.device):
+    def __init__(self, source: str, name: str, defines: dict[str, int], device: torch.device, arch_suffix: str = ""):
         cap = torch.cuda.get_device_capability(device)
-        binary = cubin(source, tuple(sorted(defines.items())), f"sm_{cap[0]}{cap[1]}")
+        binary = cubin(source, tuple(sorted(defines.items())), f"sm_{cap[0]}{cap[1]}{arch_suffix}")
         with torch.cuda.device(device):
             _use_primary_context(device.index if device.index is not None else torch.cuda.current_device())
             module, self.fn = ctypes.c_void_p(), ctypes.c_void_p()

@@ -9,9 +9,9 @@ from experiments.cuda import HERE
 from experiments.scripts import moe_decode_probe, moe_marlin_variants
 
 
-def _cubin(source: str, defines: dict) -> bytes:
+def _cubin(source: str, defines: dict, arch: str = "sm_90") -> bytes:
     defines = {**defines, "PROBE_COMMON": f'"{HERE / "probe_common.cuh"}"'}
-    return cuda.cubin(str(HERE / source), tuple(sorted(defines.items())), "sm_90")
+    return cuda.cubin(str(HERE / source), tuple(sorted(defines.items())), arch)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,3 +54,8 @@ def test_moe_marlin_variants_compile(variant, ng, w2b, stages, tmp_path):
     path.write_text(moe_marlin_variants.VARIANTS[variant][0](moe_marlin_variants.SRC.read_text()))
     defines = {"NG": ng, "W2B": w2b, "STAGES": stages, "WARPS": 4, "G": 32, "H": 7168, "I": 256, "TOPK": 8}
     assert len(cuda.cubin(str(path), tuple(sorted(defines.items())), "sm_90")) > 1000
+
+
+@pytest.mark.parametrize("group, stages", [(32, 4), (64, 2), (128, 6)])
+def test_moe_wgmma_compiles(group, stages):
+    assert len(_cubin("moe_wgmma.cu", {"STAGES": stages, "G": group, "H": 7168, "I": 256, "TOPK": 8}, "sm_90a")) > 1000

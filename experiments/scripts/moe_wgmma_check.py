@@ -1,0 +1,100 @@
+"""experiments/moe_wgmma.cu against the product's MoE at the K2.6 TP-8 rank shard (E=384, H=7168,
+I=256, group 32, top-8), uniform routing: whole layer, w13 alone and w2 + k sum alone, us (CUDA
+graph of ROT calls over rotated inputs, best of 2 rounds, the product and the stage counts
+alternated), relative error against the fp32 reference, bitwise run to run, and the layer's
+share of the measured bf16 GEMM rate. The product runs its rule's kernel (`kernel` column);
+its parts are timed where that kernel is moe_wide.
+
+    python3 -m experiments.scripts.moe_wgmma_check OUT.csv [T,T,...] [stages,stages,...]
+"""
+from __future__ import annotations
+
+import csv
+import sys
+
+import torch
+
+from ddbench import timing
+from ddbench.kernels import moe_marlin as mm
+from ddbench.kernels import moe_wide as mw
+from ddbench.kernels.moe import fused_moe, fused_moe_ref, random_marlin_moe, resolve_moe_kernel, synthetic_routing
+from experiments import moe_wgmma as mg
+
+E, H, I, G, K, ROT = 384, 7168, 256, 32, 8, 4
+
+
+def flops(tokens: int) -> float:
+    """Useful FLOPs of the layer: T k (2I H (w13) + H I (w2)) multiply-adds."""
+    return 2.0 * tokens * K * (2 * I * H + H * I)
+
+
+def _time(fn, dev) -> float:
+    return timing.bench(fn, device=dev, warmup=2, reps=20, graph=True, graph_ops=ROT).median_us
+
+
+def main(out: str, tokens: str = "512,1024,2048,4096", stage_list: str = "3,4,5") -> None:
+    dev = torch.device("cuda")
+    w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
+    tflops = timing.gemm_tflops(dev)
+    rows = []
+    for t in (int(v) for v in tokens.split(",")):
+        xs, routes = [], []
+        for r in range(ROT):
+            g = torch.Generator(device=dev).manual_seed(t * 31 + r)
+            xs.append(torch.randn(t, H, generator=g, device=dev).bfloat16())
+            routes.append(synthetic_routing("uniform", t, E, K, device=dev, seed=t * 31 + r))
+        ref = fused_moe_ref(xs[0].float(), *routes[0], w).float()
+        kernel, tiles = resolve_moe_kernel(t, K, w, dev)
+        it = iter(range(10**9))
+
+        def rot(f):
+            """f(r) on input r of the rotation, the next one each call"""
+            return lambda: f(next(it) % ROT)
+
+        def product(r):
+            return fused_moe(xs[r], *routes[r], w, "triton")
+
+        variants = {"product": (product, None)}                     # name: (layer(r), (w13(r), w2(r)) or None)
+        if kernel == "wide":
+            wr = [mm.plan(ids, E, 16 * tiles["mt"]) for ids, _ in routes]
+            acts = [mw.wide_w13(xs[r], wr[r], K, w, tiles) for r in range(ROT)]
+            variants["product"] = (product, (lambda r: mw.wide_w13(xs[r], wr[r], K, w, tiles),
+                                             lambda r: mw.wide_w2(acts[r], wr[r], routes[r][1], w, tiles)))
+        gr = [mm.plan(ids, E, mg.CH) for ids, _ in routes]
+        for s in (int(v) for v in stage_list.split(",")):
+            gacts = [mg.wg_w13(xs[r], gr[r], K, w, s) for r in range(ROT)]
+            variants[f"wgmma_s{s}"] = (lambda r, s=s: mg.fused_moe_wgmma(xs[r], *routes[r], w, s),
+                                       (lambda r, s=s: mg.wg_w13(xs[r], gr[r], K, w, s),
+                                        lambda r, s=s, a=gacts: mg.wg_w2(a[r], gr[r], routes[r][1], w, s)))
+        for rep in range(2):
+            for name, (layer, parts) in variants.items():
+                y = layer(0)
+                us = _time(rot(layer), dev)
+                w13_us, w2_us = (_time(rot(parts[0]), dev), _time(rot(parts[1]), dev)) if parts else (None, None)
+                rows.append(dict(tokens=t, variant=name, rep=rep,
+                                 kernel=(f"{kernel} {mw.tile_name(tiles) if kernel == 'wide' else tiles}"
+                                         if name == "product" else "wgmma"),
+                                 layer_us=round(us, 1), w13_us=w13_us and round(w13_us, 1),
+                                 w2_ksum_us=w2_us and round(w2_us, 1),
+                                 pct_gemm=round(100 * flops(t) / (us * 1e-6) / (tflops * 1e12), 1),
+                                 rel_err=f"{((y.float() - ref).norm() / ref.norm()).item():.2e}",
+                                 bitwise_repeat=bool(torch.equal(y, layer(0))), gpu=torch.cuda.get_device_name(dev),
+                                 gemm_tflops=round(tflops, 1)))
+                print(rows[-1], flush=True)
+    with open(out, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    print(f"\nlayer us (w13 / w2 + k sum), best of 2; GEMM rate {tflops:.0f} TFLOP/s\nT  " + "  ".join(names))
+    for t in sorted({r["tokens"] for r in rows}):
+        cells = []
+        for n in names:
+            best = min((r for r in rows if r["tokens"] == t and r["variant"] == n), key=lambda r: r["layer_us"])
+            cells.append(f"{best['layer_us']} ({best['w13_us']} / {best['w2_ksum_us']}) {best['pct_gemm']}%"
+                         f" err {best['rel_err']}{'' if best['bitwise_repeat'] else ' NOT BITWISE'}")
+        print(t, *cells, sep="  |  ")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
