@@ -13,9 +13,9 @@
 // 64 weight rows of the item (w13: 1 the gate rows, 2 the up rows of 64 features; w2: 64 output
 // columns each), dequantizes its rows' words of a stage into registers as wgmma's A operand
 // (warp w the Marlin tile w of its block: the word of lane 4g + t is exactly that lane's A
-// fragment, as in moe_marlin), issues 4 wgmma m64nNk16 (N = 48, 96 or 128, the least that holds
-// the block's rows: with more instantiations ptxas 13.0 serializes the wgmma for want of
-// registers at 168 a thread), commits them and waits for the group before, so a stage's
+// fragment, as in moe_marlin), issues 4 wgmma m64nNk16 (N = N1, N2 or N3, the least that holds
+// the block's rows; blocks of CH = N3 rows: with more than three sizes compiled in, ptxas 13.0
+// serializes the wgmma for want of registers at 168 a thread), commits them and waits for the group before, so a stage's
 // products run while the next stage's words are dequantized; then it frees the slot before on
 // `empty` (8 warps arrive).
 // The A registers alternate between two sets (stages even / odd), so the set an in-flight
@@ -27,21 +27,23 @@
 // Weights: (q - 8) * scale rounded to bf16 once (moe_wide's rounding), fp32 accumulators.
 // Determinism: no K split, no atomics.
 //
-// Compile-time: STAGES, G (group: 32, 64 or 128), H, I, TOPK.
+// Compile-time: STAGES, N1 <= N2 <= N3 (multiples of 16 up to 128), G (group: 32, 64 or 128), H, I, TOPK.
 #include "common.cuh"
 
-#define CH 128                                  // rows a block
+#define CH N3                                   // rows a block
 #define KS 64                                   // K a stage: 4 k16 steps, 128 bytes a token row
 #define XB (CH * 128)                           // a stage's token tile
 #define WB (2 * 4 * 128 * 4)                    // words: 2 warpgroups x 4 k16 x 128 words
 #define SB 1024                                 // scales: 2 warpgroups x NGS groups x 64 bf16 (<= 512), padded
-#define STAGE_B (XB + WB + SB)                  // 21 x 1024
+#define STAGE_B (XB + WB + SB)                  // a multiple of 1024
 #define NGS (G == 32 ? 2 : 1)                   // scale groups a stage
-#define XCH_B (64 * 128 * 4)                    // w13: the up warpgroup's accumulators for the gate one
+#define XCH_B (64 * CH * 4)                     // w13: the up warpgroup's accumulators for the gate one
 #define STG_B (CH * 128)                        // a warpgroup's bf16 output tile (CH rows x 64 columns)
 #define SMEM_B (1024 + STAGES * STAGE_B + XCH_B + 2 * STG_B + 2 * CH * 8 + STAGES * 16)
 
 static_assert(G == 32 || G == 64 || G == 128, "G is 32, 64 or 128");
+static_assert(N1 % 16 == 0 && N2 % 16 == 0 && N3 % 16 == 0 && N1 <= N2 && N2 <= N3 && N3 <= 128,
+              "N1 <= N2 <= N3: multiples of 16 up to 128");
 static_assert(H % 128 == 0 && I % 128 == 0, "the stage loop runs stages in pairs: H and I multiples of 128");
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
@@ -91,6 +93,27 @@ __device__ __forceinline__ void dequant_a(unsigned q, unsigned sc, unsigned* a) 
 template <int N>
 __device__ __forceinline__ void wgmma(float (&d)[64], const unsigned* a, unsigned long long b, int acc);
 template <>
+__device__ __forceinline__ void wgmma<16>(float (&d)[64], const unsigned* a, unsigned long long b, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7"
+                 "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+}
+template <>
+__device__ __forceinline__ void wgmma<32>(float (&d)[64], const unsigned* a, unsigned long long b, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+                 "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+}
+template <>
 __device__ __forceinline__ void wgmma<48>(float (&d)[64], const unsigned* a, unsigned long long b, int acc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {"
@@ -101,6 +124,38 @@ __device__ __forceinline__ void wgmma<48>(float (&d)[64], const unsigned* a, uns
                    "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
                    "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
                    "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+}
+template <>
+__device__ __forceinline__ void wgmma<64>(float (&d)[64], const unsigned* a, unsigned long long b, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+}
+template <>
+__device__ __forceinline__ void wgmma<80>(float (&d)[64], const unsigned* a, unsigned long long b, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39"
+                 "}, {%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
 }
 template <>
@@ -119,6 +174,27 @@ __device__ __forceinline__ void wgmma<96>(float (&d)[64], const unsigned* a, uns
                    "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
                    "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
                    "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+}
+template <>
+__device__ __forceinline__ void wgmma<112>(float (&d)[64], const unsigned* a, unsigned long long b, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %61, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55"
+                 "}, {%56, %57, %58, %59}, %60, p, 1, 1, 0;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                   "+f"(d[54]), "+f"(d[55])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
 }
 template <>
@@ -312,9 +388,9 @@ __device__ void consume(const Smem& sm, const int* sorted, const int* block_rows
     int q = 0;
     for (int item = blockIdx.x; item < total; item += gridDim.x) {
         const int blk = item / CHUNKS, c = item % CHUNKS, rows = block_rows[blk];
-        if (rows <= 48) consume_item<W13, 48>(sm, wg, warp, lane, q, blk, c, rows, sorted, topk_w, out);
-        else if (rows <= 96) consume_item<W13, 96>(sm, wg, warp, lane, q, blk, c, rows, sorted, topk_w, out);
-        else consume_item<W13, 128>(sm, wg, warp, lane, q, blk, c, rows, sorted, topk_w, out);
+        if (rows <= N1) consume_item<W13, N1>(sm, wg, warp, lane, q, blk, c, rows, sorted, topk_w, out);
+        else if (rows <= N2) consume_item<W13, N2>(sm, wg, warp, lane, q, blk, c, rows, sorted, topk_w, out);
+        else consume_item<W13, N3>(sm, wg, warp, lane, q, blk, c, rows, sorted, topk_w, out);
     }
 }
 

@@ -1,12 +1,12 @@
 """W4A16 MoE on Hopper's wgmma for many tokens an expert (experiments/moe_wgmma.cu): a
 candidate for the large-T path that `kernels/moe_wide.cu` runs today (docs/notes/moe.md, "T >=
-1024"). Blocks of up to 128 tokens of one expert, so each weight is dequantized once a block
-(moe_wide's MT 2: once every 32 tokens); a producer warpgroup copies the stages, two consumer
+1024"). Blocks of up to 128 tokens of one expert (`SIZES`), so each weight is dequantized once a
+block (moe_wide's MT 2: once every 32 tokens); a producer warpgroup copies the stages, two consumer
 warpgroups dequantize their 64 weight rows into registers as wgmma's A operand while the
 previous stage's products run.
 
 `fused_moe_wgmma(x, topk_ids, topk_weights, w)` computes what `kernels.moe.fused_moe_ref`
-computes in four launches and no host syncs: `moe_marlin.plan` with blocks of CH = 128 rows,
+computes in four launches and no host syncs: `moe_marlin.plan` with blocks of CH = sizes[-1] rows,
 `wg_w13`, `wg_w2`, and moe_wide's `wide_ksum` (a token's k weighted rows summed in slot order).
 
 Predicted at the K2.6 TP-8 shard, T = 4096 (uniform: 85 tokens an expert, one block each, the
@@ -24,16 +24,30 @@ import torch
 from ddbench.kernels import moe_marlin, moe_wide, pdl
 from experiments.cuda import kernel
 
-CH = 128                      # rows a block (the plan's)
 STAGES = 4
-STAGE_BYTES = CH * 128 + 2 * 4 * 128 * 4 + 1024        # token tile, words, scales: moe_wgmma.cu's STAGE_B
+SIZES = (48, 96, 128)         # the wgmma N a block of up to each many rows runs; blocks of SIZES[-1] rows
 
 
-def shared_bytes(stages: int = STAGES) -> int:
+def stage_bytes(ch: int) -> int:
+    """A ring slot, as moe_wgmma.cu's STAGE_B: token tile (ch rows x 128 bytes), words, scales."""
+    return ch * 128 + 2 * 4 * 128 * 4 + 1024
+
+
+def shared_bytes(stages: int = STAGES, sizes: tuple = SIZES) -> int:
     """A program's dynamic shared memory, as moe_wgmma.cu's SMEM_B: 1024 of alignment slack, the
-    ring, the w13 exchange tile (64 x 128 fp32), two bf16 output tiles (128 x 64), two warpgroups'
-    slots and weights (128 ints and floats each), two mbarriers a slot."""
-    return 1024 + stages * STAGE_BYTES + 64 * 128 * 4 + 2 * CH * 128 + 2 * CH * 8 + stages * 16
+    ring, the w13 exchange tile (64 x CH fp32), two bf16 output tiles (CH x 64), two warpgroups'
+    slots and weights (CH ints and floats each), two mbarriers a slot."""
+    ch = sizes[-1]
+    return 1024 + stages * stage_bytes(ch) + 64 * ch * 4 + 2 * ch * 128 + 2 * ch * 8 + stages * 16
+
+
+def check_config(stages: int, sizes: tuple) -> None:
+    """Raise ValueError unless the sizes are 3 ascending multiples of 16 up to 128 and the program
+    fits an SM's 227 KB."""
+    if (len(sizes) != 3 or any(n % 16 or not 16 <= n <= 128 for n in sizes) or list(sizes) != sorted(sizes)
+            or stages < 2 or shared_bytes(stages, sizes) > 227 * 1024):
+        raise ValueError(f"moe_wgmma: sizes must be 3 ascending multiples of 16 up to 128 and the ring fit 227 KB, "
+                         f"got stages {stages}, sizes {sizes} ({shared_bytes(stages, sizes)} bytes)")
 
 
 def fits(x: torch.Tensor, topk_ids: torch.Tensor, w) -> bool:
@@ -46,29 +60,33 @@ def fits(x: torch.Tensor, topk_ids: torch.Tensor, w) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, stages: int, group: int, hidden: int, inter: int, top_k: int, device: torch.device):
-    return kernel("moe_wgmma.cu", name, {"STAGES": stages, "G": group, "H": hidden, "I": inter, "TOPK": top_k},
-                  device, "a")
+def _kernel(name: str, stages: int, sizes: tuple, group: int, hidden: int, inter: int, top_k: int,
+            device: torch.device):
+    check_config(stages, sizes)
+    return kernel("moe_wgmma.cu", name, {"STAGES": stages, "N1": sizes[0], "N2": sizes[1], "N3": sizes[2], "G": group,
+                                         "H": hidden, "I": inter, "TOPK": top_k}, device, "a")
 
 
-def _launch(name: str, stages: int, w, top_k: int, device: torch.device, args: list, mode: int) -> None:
-    k = _kernel(name, stages, w.group_size, w.hidden, w.inter, top_k, device)
+def _launch(name: str, stages: int, sizes: tuple, w, top_k: int, device: torch.device, args: list, mode: int) -> None:
+    k = _kernel(name, stages, tuple(sizes), w.group_size, w.hidden, w.inter, top_k, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    k(sms, 384, shared_bytes(stages), args + [mode], pdl=mode > 0)
+    k(sms, 384, shared_bytes(stages, sizes), args + [mode], pdl=mode > 0)
 
 
-def wg_w13(x: torch.Tensor, routing: tuple, top_k: int, w, stages: int = STAGES, pdl_mode: int = 2) -> torch.Tensor:
-    """x bf16 `[T, H]` -> SiLU(gate)*up bf16 `[rows, I]` in the plan's sorted rows (plan with CH = 128)."""
+def wg_w13(x: torch.Tensor, routing: tuple, top_k: int, w, stages: int = STAGES, sizes: tuple = SIZES,
+           pdl_mode: int = 2) -> torch.Tensor:
+    """x bf16 `[T, H]` -> SiLU(gate)*up bf16 `[rows, I]` in the plan's sorted rows (plan with CH =
+    sizes[-1])."""
     sorted_ids, block_expert, block_rows, n_blocks = routing
     act = torch.empty(sorted_ids.numel(), w.inter, dtype=torch.bfloat16, device=x.device)
-    _launch("wg_w13", stages, w, top_k, x.device,
+    _launch("wg_w13", stages, sizes, w, top_k, x.device,
             [x.contiguous(), w.w13, w.w13_scale, sorted_ids, block_expert, block_rows, n_blocks, act],
             pdl.on(x, pdl_mode))
     return act
 
 
 def wg_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, stages: int = STAGES,
-          pdl_mode: int = 2) -> torch.Tensor:
+          sizes: tuple = SIZES, pdl_mode: int = 2) -> torch.Tensor:
     """`wg_w13`'s output -> bf16 `[T, H]`: the w2 GEMM, top-k weights, then moe_wide's k sum."""
     sorted_ids, block_expert, block_rows, n_blocks = routing
     t, top_k = topk_weights.shape
@@ -76,7 +94,7 @@ def wg_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, stag
     ypart = torch.empty(t * top_k, h, dtype=torch.bfloat16, device=dev)
     out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     mode = pdl.on(act, pdl_mode)
-    _launch("wg_w2", stages, w, top_k, dev, [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
+    _launch("wg_w2", stages, sizes, w, top_k, dev, [act, w.w2, w.w2_scale, sorted_ids, block_expert, block_rows, n_blocks,
                                              topk_weights.reshape(-1).float().contiguous(), ypart], mode)
     ksum = moe_wide._kernel("wide_ksum", 2, 4, 4, 1, w.group_size, h, w.inter, top_k, dev)
     ksum(-(-t * (h // 8) // 256), 256, 0, [ypart, out, t, mode], pdl=mode > 0)
@@ -84,14 +102,14 @@ def wg_w2(act: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, w, stag
 
 
 def fused_moe_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w,
-                    stages: int = STAGES, pdl_mode: int = 2) -> torch.Tensor:
+                    stages: int = STAGES, sizes: tuple = SIZES, pdl_mode: int = 2) -> torch.Tensor:
     """x bf16 `[T, H]`, routing `[T, k]`, `MarlinMoE` -> bf16 `[T, H]` (as fused_moe_ref)."""
     if not fits(x, topk_ids, w):
         raise ValueError(f"moe_wgmma does not take x {x.dtype} {tuple(x.shape)} on {x.device} with experts of "
                          f"H = {w.hidden}, I = {w.inter}, group {w.group_size}")
-    routing = moe_marlin.plan(topk_ids, w.n_experts, CH, pdl_mode)
-    act = wg_w13(x, routing, topk_ids.shape[1], w, stages, pdl_mode)
-    return wg_w2(act, routing, topk_weights, w, stages, pdl_mode)
+    routing = moe_marlin.plan(topk_ids, w.n_experts, sizes[-1], pdl_mode)
+    act = wg_w13(x, routing, topk_ids.shape[1], w, stages, sizes, pdl_mode)
+    return wg_w2(act, routing, topk_weights, w, stages, sizes, pdl_mode)
 
 
 def a_fragment(word: torch.Tensor) -> torch.Tensor:

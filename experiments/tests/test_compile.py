@@ -56,6 +56,9 @@ def test_moe_marlin_variants_compile(variant, ng, w2b, stages, tmp_path):
     assert len(cuda.cubin(str(path), tuple(sorted(defines.items())), "sm_90")) > 1000
 
 
-@pytest.mark.parametrize("group, stages", [(32, 4), (64, 2), (128, 6)])
-def test_moe_wgmma_compiles(group, stages):
-    assert len(_cubin("moe_wgmma.cu", {"STAGES": stages, "G": group, "H": 7168, "I": 256, "TOPK": 8}, "sm_90a")) > 1000
+@pytest.mark.parametrize("group, stages, sizes", [(32, 4, (48, 96, 128)), (64, 2, (48, 96, 128)),
+                                                  (128, 6, (48, 96, 128)), (32, 12, (16, 32, 48))])
+def test_moe_wgmma_compiles(group, stages, sizes):
+    defines = {"STAGES": stages, "N1": sizes[0], "N2": sizes[1], "N3": sizes[2], "G": group, "H": 7168, "I": 256,
+               "TOPK": 8}
+    assert len(_cubin("moe_wgmma.cu", defines, "sm_90a")) > 1000

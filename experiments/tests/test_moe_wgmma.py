@@ -34,10 +34,17 @@ def test_b_offset_is_the_128_byte_swizzle():
     assert len(seen) == 128 * 64
 
 
-def test_shared_memory_fits_an_sm():
+def test_shared_memory_and_sizes():
     assert mg.shared_bytes(4) == 1024 + 4 * 21504 + 32768 + 32768 + 2048 + 64
-    assert mg.STAGE_BYTES % 1024 == 0                                   # every slot's token tile 1024-aligned
-    assert mg.shared_bytes(6) <= 227 * 1024
+    assert mg.shared_bytes(8, (16, 32, 48)) == 1024 + 8 * (6144 + 5120) + 12288 + 12288 + 768 + 128
+    for ch in range(16, 129, 16):
+        assert mg.stage_bytes(ch) % 1024 == 0                           # every slot's token tile 1024-aligned
+    mg.check_config(7, mg.SIZES)
+    mg.check_config(12, (16, 32, 48))
+    for stages, sizes in [(8, mg.SIZES), (1, mg.SIZES), (4, (48, 96)), (4, (40, 96, 128)), (4, (96, 48, 128)),
+                          (4, (48, 96, 144))]:
+        with pytest.raises(ValueError):
+            mg.check_config(stages, sizes)
 
 
 # ---------------------------------------------------------------- GPU (sm_90 only: wgmma)
@@ -68,7 +75,7 @@ def _err(y, want):
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("tokens", [1, 33, 512, 1024, 4096])
 def test_wgmma_matches_reference(k26, routing, tokens):
-    """Blocks of every N instantiation (48, 96, 128 rows) and of 1 row; bitwise run to run."""
+    """Blocks of every default N (48, 96, 128 rows) and of 1 row; bitwise run to run."""
     x, ids, tw = _case(routing, tokens, k26, seed=tokens + 3)
     want = fused_moe_ref(x.float(), ids, tw, k26).float()
     y = mg.fused_moe_wgmma(x, ids, tw, k26)
@@ -77,14 +84,16 @@ def test_wgmma_matches_reference(k26, routing, tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2, 3, 6])
-def test_wgmma_stages_and_graph_replay(k26, stages):
-    x, ids, tw = _case("skewed", 2000, k26, seed=stages)
-    eager = mg.fused_moe_wgmma(x, ids, tw, k26, stages)
+@pytest.mark.parametrize("stages, sizes, tokens", [(2, mg.SIZES, 2000), (3, mg.SIZES, 2000), (6, mg.SIZES, 2000),
+                                                   (8, (16, 32, 48), 300), (12, (16, 32, 48), 2000)])
+def test_wgmma_stages_sizes_and_graph_replay(k26, stages, sizes, tokens):
+    """Skewed routing: blocks of every size class; eager = graph replay."""
+    x, ids, tw = _case("skewed", tokens, k26, seed=stages)
+    eager = mg.fused_moe_wgmma(x, ids, tw, k26, stages, sizes)
     assert _err(eager, fused_moe_ref(x.float(), ids, tw, k26).float()) <= 1e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = mg.fused_moe_wgmma(x, ids, tw, k26, stages)
+        y = mg.fused_moe_wgmma(x, ids, tw, k26, stages, sizes)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, eager)
