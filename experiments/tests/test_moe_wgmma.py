@@ -1,6 +1,8 @@
-"""experiments.moe_wgmma: its fragment and swizzle mappings and its shared-memory budget on the
-CPU (the sm_90a compile is in test_compile.py); the CUDA kernels against the fp32 reference, run
-to run and in CUDA graphs on an H100/H200."""
+"""experiments.moe_wgmma: its fragment and swizzle mappings, its shared-memory budget and the whole
+kernel emulated on the CPU (every producer copy, consumer read and epilogue index of
+moe_wgmma.cu mirrored, with PTX's A-fragment, 128-byte-swizzle and accumulator layouts), against
+the fp32 reference; the sm_90a compile is in test_compile.py; on an H100/H200 the CUDA kernels
+against the fp32 reference, run to run and in CUDA graphs."""
 import pytest
 import torch
 
@@ -109,3 +111,126 @@ def test_wgmma_other_groups_and_sizes(group):
     x = torch.randn(300, 1024, device=dev, generator=torch.Generator(dev).manual_seed(group)).bfloat16()
     ids, tw = synthetic_routing("uniform", 300, 16, 4, device=dev, seed=group)
     assert _err(mg.fused_moe_wgmma(x, ids, tw, w), fused_moe_ref(x.float(), ids, tw, w).float()) <= 1e-2
+
+
+# ---------------------------------------------------------------- the kernel emulated on the CPU
+
+def _bf16(bits: int) -> float:
+    return torch.tensor([bits & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().item()
+
+
+def _dequant_a(q: int, sc: int) -> list[tuple[float, float]]:
+    """moe_wgmma.cu's dequant_a: the 4 registers (low, high bf16) of word q, scale pair sc."""
+    slo, shi = _bf16(sc), _bf16(sc >> 16)
+    regs = [None] * 4
+    for i in range(4):
+        pair = [(q >> (4 * i + 16 * h)) & 0xF for h in (0, 1)]             # lop3: nibbles i, i + 4
+        s = slo if i < 2 else shi
+        regs[(i % 2) * 2 + i // 2] = tuple(torch.tensor((n - 8) * s).bfloat16().item() for n in pair)
+    return regs
+
+
+def _emulate_gemm(xin, words, scales, rows_of, w13: bool, w, sizes, top_k, sorted_ids, block_expert, topk_w, out):
+    """One of moe_wgmma.cu's GEMM launches, item by item and stage by stage: the producer's copies
+    into a slot's bytes (padding rows left NaN), the consumers' reads, dequantization and A
+    fragments, wgmma's B read through the 128-byte swizzle, D by the accumulator layout, and the
+    epilogue's exchange, staging and row copies."""
+    h, i_, g_ = w.hidden, w.inter, w.group_size
+    k_dim, n_dim = (h, 2 * i_) if w13 else (i_, h)
+    ch, chunks, ngs = sizes[-1], (i_ // 64 if w13 else h // 128), (2 if g_ == 32 else 1)
+    for blk in range(len(rows_of)):
+        rows, e = rows_of[blk], int(block_expert[blk])
+        nt = next(n for n in sizes if rows <= n)
+        for c in range(chunks):
+            nbs = [wg * (i_ // 64) + c for wg in (0, 1)] if w13 else [2 * c, 2 * c + 1]
+            d = torch.zeros(2, 64, nt, dtype=torch.float64)
+            for st in range(k_dim // 64):
+                x_t = torch.full((ch * 128,), 0xFF, dtype=torch.uint8)        # NaN bf16 where nothing lands
+                w_t = torch.zeros(4096, dtype=torch.uint8)
+                s_t = torch.zeros(1024, dtype=torch.uint8)
+                for tid in range(128):                                     # the producer
+                    for i in range(ch // 16):
+                        r = tid // 8 + 16 * i
+                        if r < rows:
+                            row = int(sorted_ids[blk * ch + r]) // top_k if w13 else blk * ch + r
+                            src = xin[row, st * 64 + (tid % 8) * 8:][:8].contiguous().view(torch.uint8)
+                            at = r * 128 + (((tid % 8) ^ (r % 8)) << 4)
+                            x_t[at:at + 16] = src
+                    for j in range(2):
+                        v = tid + 128 * j
+                        kt = st * 4 + v // 32 % 4
+                        src = words[e, kt, nbs[v // 128] * 128 + (v % 32) * 4:][:4].contiguous().view(torch.uint8)
+                        w_t[v * 16:v * 16 + 16] = src
+                    if tid < 16 * ngs:
+                        grp = 2 * st + tid // 8 % ngs if g_ == 32 else st * 64 // g_
+                        src = scales[e, grp, nbs[tid // (8 * ngs)] * 64 + (tid % 8) * 8:][:8].contiguous()
+                        s_t[tid * 16:tid * 16 + 16] = src.view(torch.uint8)
+                w_u32 = w_t.view(torch.int32).long() & 0xFFFFFFFF
+                s_u32 = s_t.view(torch.int32).long() & 0xFFFFFFFF
+                for kk in range(4):                                        # wgmma's B: descriptor + 32 kk bytes
+                    b = torch.empty(nt, 16, dtype=torch.float64)
+                    for n in range(nt):
+                        for k in range(16):
+                            lin = kk * 32 + (n // 8) * 1024 + (n % 8) * 128 + 2 * k
+                            at = lin ^ (((lin >> 7) & 7) << 4)
+                            b[n, k] = x_t[at:at + 2].view(torch.bfloat16).double().item()
+                    for wg in (0, 1):                                      # the consumers' A fragments
+                        a = torch.empty(64, 16, dtype=torch.float64)
+                        for warp in range(4):
+                            for lane in range(32):
+                                g, t = lane // 4, lane % 4
+                                q = int(w_u32[(wg * 4 + kk) * 128 + lane * 4 + warp])
+                                sc = int(s_u32[(wg * ngs + (kk // 2 if g_ == 32 else 0)) * 32 + 4 * g + warp])
+                                for r, (lo, hi) in enumerate(_dequant_a(q, sc)):
+                                    row, col = 16 * warp + g + 8 * (r % 2), 2 * t + 8 * (r // 2)
+                                    a[row, col], a[row, col + 1] = lo, hi
+                        d[wg] += a @ b.T
+            acc = {}                                                       # (wg, tw) -> the thread's accumulators
+            for wg in (0, 1):
+                for warp in range(4):
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        acc[wg, warp * 32 + lane] = [
+                            d[wg, 16 * warp + g + 8 * (i // 2 % 2), 8 * (i // 4) + 2 * t + i % 2].item()
+                            for i in range(nt // 2)]
+            for wg in ((0,) if w13 else (0, 1)):                           # the epilogue
+                stg = torch.full((ch, 64), float("nan"), dtype=torch.bfloat16)
+                for tw in range(128):
+                    warp, lane = tw // 32, tw % 32
+                    g, t = lane // 4, lane % 4
+                    for i in range(nt // 2):
+                        n, f = 8 * (i // 4) + 2 * t + i % 2, 16 * warp + g + 8 * (i // 2 % 2)
+                        if w13:
+                            gte, up = acc[0, tw][i], acc[1, tw][i]
+                            stg[n, f] = gte / (1 + torch.tensor(-gte).exp().item()) * up
+                        elif n < rows:
+                            stg[n, f] = acc[wg, tw][i] * float(topk_w[int(sorted_ids[blk * ch + n])])
+                for n in range(rows):
+                    if w13:
+                        out[blk * ch + n, c * 64:c * 64 + 64] = stg[n]
+                    else:
+                        out[int(sorted_ids[blk * ch + n]), c * 128 + wg * 64:c * 128 + wg * 64 + 64] = stg[n]
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_emulated_kernel_matches_reference(group):
+    """Tokens 0-24 route to experts (0, 1), 25-39 to (0, 2): blocks of 40, 25 and 15 rows, so N =
+    48, 32 and 16 with sizes (16, 32, 48)."""
+    from ddbench.kernels import moe_marlin
+
+    w = random_marlin_moe(3, 128, 128, group, top_k=2, seed=group)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(group)).bfloat16()
+    ids = torch.tensor([[0, 1]] * 25 + [[0, 2]] * 15, dtype=torch.int32)
+    tw = torch.rand(40, 2, generator=torch.Generator().manual_seed(1))
+    tw = tw / tw.sum(1, keepdim=True)
+    sizes = (16, 32, 48)
+    sorted_ids, block_expert, block_rows, n_blocks = moe_marlin.plan_ref(ids, 3, sizes[-1])
+    rows_of = block_rows[:int(n_blocks)].tolist()
+    assert sorted(rows_of) == [15, 25, 40]
+    act = torch.zeros(sorted_ids.numel(), 128, dtype=torch.bfloat16)
+    _emulate_gemm(x, w.w13, w.w13_scale, rows_of, True, w, sizes, 2, sorted_ids, block_expert, None, act)
+    ypart = torch.zeros(80, 128, dtype=torch.bfloat16)
+    _emulate_gemm(act, w.w2, w.w2_scale, rows_of, False, w, sizes, 2, sorted_ids, block_expert, tw.reshape(-1), ypart)
+    y = ypart.float().reshape(40, 2, 128).sum(1).bfloat16()                 # moe_ksum: slot order
+    want = fused_moe_ref(x.float(), ids, tw, w).float()
+    assert _err(y, want) <= 1e-2
