@@ -243,6 +243,24 @@ struct Smem {
 template <bool W13>
 __device__ __forceinline__ int block_of(int wg, int c) { return W13 ? wg * (I / 64) + c : 2 * c + wg; }
 
+// what a producer thread reads of an item's block before its copies: the expert, the rows, and
+// (w13) the tokens of its rows tid / 8 + 16 i (-1 past the rows); loaded an item ahead
+template <bool W13>
+struct Ahead {
+    int e = 0, rows = 0, tok[W13 ? CH / 16 : 1];
+    __device__ void load(int blk, const int* sorted, const int* block_expert, const int* block_rows) {
+        e = block_expert[blk];
+        rows = block_rows[blk];
+        if constexpr (W13) {
+#pragma unroll
+            for (int i = 0; i < CH / 16; i++) {
+                const int r = threadIdx.x / 8 + 16 * i;
+                tok[i] = r < rows ? sorted[blk * CH + r] / TOPK : -1;
+            }
+        }
+    }
+};
+
 template <bool W13>
 __device__ void produce(const Smem& sm, const unsigned short* xin, const unsigned* w, const unsigned short* s,
                         const int* sorted, const int* block_expert, const int* block_rows, int total)
@@ -251,13 +269,19 @@ __device__ void produce(const Smem& sm, const unsigned short* xin, const unsigne
     const int tid = threadIdx.x;                 // 0..127
     const unsigned long long pol = evict_first();
     int q = 0;
+    Ahead<W13> next;
+    if ((int)blockIdx.x < total) next.load(blockIdx.x / CHUNKS, sorted, block_expert, block_rows);
     for (int item = blockIdx.x; item < total; item += gridDim.x) {
-        const int blk = item / CHUNKS, c = item % CHUNKS, e = block_expert[blk], rows = block_rows[blk];
+        const Ahead<W13> cur = next;
+        const int blk = item / CHUNKS, c = item % CHUNKS, e = cur.e, rows = cur.rows;
+        if (item + (int)gridDim.x < total) next.load((item + gridDim.x) / CHUNKS, sorted, block_expert, block_rows);
         const unsigned short* xrow[CH / 16];     // rows tid / 8 + 16 i, 16-byte chunk tid % 8
 #pragma unroll
         for (int i = 0; i < CH / 16; i++) {
             const int r = tid / 8 + 16 * i;
-            const long row = r < rows ? (W13 ? sorted[blk * CH + r] / TOPK : (long)blk * CH + r) : -1;
+            long row = -1;
+            if constexpr (W13) row = cur.tok[i];
+            else if (r < rows) row = (long)blk * CH + r;
             xrow[i] = row < 0 ? nullptr : xin + row * K + (tid % 8) * 8;
         }
         const unsigned* wsrc[2];                 // vectors v = tid, tid + 128: warpgroup v / 128, k16 step v / 32 % 4,
@@ -324,6 +348,13 @@ __device__ __forceinline__ void consume_item(const Smem& sm, int wg, int warp, i
                                              unsigned short* out)
 {
     constexpr int NST = (W13 ? H : I) / KS;
+    const int tw = warp * 32 + lane;
+    int asg = 0;                                 // w2: row tw's slot and top-k weight, read now, used by the epilogue
+    float wt = 0.f;
+    if (!W13 && tw < rows) {
+        asg = sorted[blk * CH + tw];
+        wt = topk_w[asg];
+    }
     float acc[64];                               // the first NT / 2 used; the first products overwrite them
     unsigned a0[16], a1[16];
     for (int st = 0; st < NST; st += 2, q += 2) {
@@ -336,7 +367,7 @@ __device__ __forceinline__ void consume_item(const Smem& sm, int wg, int warp, i
 
     // ---- epilogue. Accumulator i of lane 4g + t in warp w: row 16 w + g + 8 (i / 2 % 2),
     // token 8 (i / 4) + 2 t + i % 2
-    const int g = lane / 4, t = lane % 4, tw = warp * 32 + lane;
+    const int g = lane / 4, t = lane % 4;
     if constexpr (W13) {
         float* xch = sm.xch();
         if (wg == 1) {
@@ -361,9 +392,8 @@ __device__ __forceinline__ void consume_item(const Smem& sm, int wg, int warp, i
         float* wts = sm.wts(wg);
         unsigned short* stg = sm.stg(wg);
         if (tw < rows) {
-            const int asg = sorted[blk * CH + tw];
             slots[tw] = asg;
-            wts[tw] = topk_w[asg];
+            wts[tw] = wt;
         }
         bar_sync(2 + wg, 128);
 #pragma unroll
@@ -385,9 +415,10 @@ __device__ void consume(const Smem& sm, const int* sorted, const int* block_rows
 {
     constexpr int CHUNKS = W13 ? I / 64 : H / 128;
     const int wg = threadIdx.x / 128 - 1, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-    int q = 0;
+    int q = 0, rows_next = (int)blockIdx.x < total ? block_rows[blockIdx.x / CHUNKS] : 0;
     for (int item = blockIdx.x; item < total; item += gridDim.x) {
-        const int blk = item / CHUNKS, c = item % CHUNKS, rows = block_rows[blk];
+        const int blk = item / CHUNKS, c = item % CHUNKS, rows = rows_next;
+        if (item + (int)gridDim.x < total) rows_next = block_rows[(item + gridDim.x) / CHUNKS];
         if (rows <= N1) consume_item<W13, N1>(sm, wg, warp, lane, q, blk, c, rows, sorted, topk_w, out);
         else if (rows <= N2) consume_item<W13, N2>(sm, wg, warp, lane, q, blk, c, rows, sorted, topk_w, out);
         else consume_item<W13, N3>(sm, wg, warp, lane, q, blk, c, rows, sorted, topk_w, out);
