@@ -1,5 +1,6 @@
 """experiments/moe_wgmma.cu against the product's MoE at the K2.6 TP-8 rank shard (E=384, H=7168,
-I=256, group 32, top-8), uniform routing: whole layer, w13 alone and w2 + k sum alone, us (CUDA
+I=256, group 32, top-8), uniform routing, at the c = 10 DDTree verify sizes (T = 90 and 170 at
+budgets 8 and 16) up to prefill sizes: whole layer, w13 alone and w2 + k sum alone, us (CUDA
 graph of ROT calls over rotated inputs, best of 2 rounds, the product and the stage counts
 alternated), relative error against the fp32 reference, bitwise run to run, and the layer's
 share of the measured bf16 GEMM rate. The product runs its rule's kernel (`kernel` column);
@@ -41,7 +42,7 @@ def parse(spec: str) -> tuple[int, tuple]:
     return int(stages), tuple(int(n) for n in sizes.split("-")) if sizes else mg.SIZES
 
 
-def main(out: str, tokens: str = "256,512,1024,2048,4096", specs: str = "4,6,8:16-32-48,12:16-32-48") -> None:
+def main(out: str, tokens: str = "96,170,256,512,1024,2048,4096", specs: str = "4,6,8:16-32-48,12:16-32-48") -> None:
     dev = torch.device("cuda")
     w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
     tflops, copy_gbps = timing.gemm_tflops(dev), timing.copy_bandwidth_gbps(dev)
