@@ -160,6 +160,16 @@ def run(x: torch.Tensor, route: tuple, w, tiles: dict) -> torch.Tensor:
     return mm.marlin_w2(mm.marlin_w13(x, routing, route[0].shape[1], w, tiles), routing, route[1], w, tiles)
 
 
+def rotated_inputs(tokens: int, rot: int, dev: torch.device) -> tuple[list, list]:
+    """`rot` inputs of `tokens` at the K2.6 TP-8 shard: x bf16 `[T, H]` and uniform top-K routings."""
+    xs, routes = [], []
+    for r in range(rot):
+        g = torch.Generator(device=dev).manual_seed(tokens * 31 + r)
+        xs.append(torch.randn(tokens, H, generator=g, device=dev).bfloat16())
+        routes.append(synthetic_routing("uniform", tokens, E, K, device=dev, seed=tokens * 31 + r))
+    return xs, routes
+
+
 def main(out: str, tokens: str = "8,16,32,64,96,128,256,512", names: str = "addr,f16,addr_f16") -> None:
     dev = torch.device("cuda")
     w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
@@ -168,11 +178,7 @@ def main(out: str, tokens: str = "8,16,32,64,96,128,256,512", names: str = "addr
     rows = []
     try:
         for t in (int(v) for v in tokens.split(",")):
-            xs, routes = [], []
-            for r in range(ROT):
-                g = torch.Generator(device=dev).manual_seed(t * 31 + r)
-                xs.append(torch.randn(t, H, generator=g, device=dev).bfloat16())
-                routes.append(synthetic_routing("uniform", t, E, K, device=dev, seed=t * 31 + r))
+            xs, routes = rotated_inputs(t, ROT, dev)
             ref = fused_moe_ref(xs[0].float(), *routes[0], w).float()
             tiles = mm.resolve_tiles(t, K, w, dev)
             outs = {}

@@ -21,10 +21,11 @@ import torch
 from ddbench import timing
 from ddbench.kernels import moe_marlin as mm
 from ddbench.kernels import moe_wide as mw
-from ddbench.kernels.moe import fused_moe, fused_moe_ref, random_marlin_moe, resolve_moe_kernel, synthetic_routing
+from ddbench.kernels.moe import fused_moe, fused_moe_ref, random_marlin_moe, resolve_moe_kernel
 from experiments import moe_wgmma as mg
+from experiments.scripts.moe_marlin_variants import E, G, H, I, K, rotated_inputs
 
-E, H, I, G, K, ROT = 384, 7168, 256, 32, 8, 4
+ROT = 4
 
 
 def flops(tokens: int) -> float:
@@ -49,11 +50,7 @@ def main(out: str, tokens: str = "96,170,256,512,1024,2048,4096", specs: str = "
     per_expert = sum(p[0].numel() * p.element_size() for p in (w.w13, w.w13_scale, w.w2, w.w2_scale))
     rows = []
     for t in (int(v) for v in tokens.split(",")):
-        xs, routes = [], []
-        for r in range(ROT):
-            g = torch.Generator(device=dev).manual_seed(t * 31 + r)
-            xs.append(torch.randn(t, H, generator=g, device=dev).bfloat16())
-            routes.append(synthetic_routing("uniform", t, E, K, device=dev, seed=t * 31 + r))
+        xs, routes = rotated_inputs(t, ROT, dev)
         ref = fused_moe_ref(xs[0].float(), *routes[0], w).float()
         floor_us = (routes[0][0].unique().numel() * per_expert + 2 * t * H * 2) / (copy_gbps * 1e3)
         kernel, tiles = resolve_moe_kernel(t, K, w, dev)
