@@ -25,10 +25,11 @@
 // (program, program + grid, ...), so the items of one block run at the same time on
 // neighbouring programs and share its token rows in L2.
 // Weights: (q - 8) * scale rounded to bf16 once (moe_wide's rounding), fp32 accumulators.
-// Determinism: no K split, no atomics.
+// Determinism: no K split, no atomics. A wait on an mbarrier that lasts ~2 s traps (an error, not a hang:
+// the kernel has not yet run on a GPU).
 //
 // Compile-time: STAGES, N1 <= N2 <= N3 (multiples of 16 up to 128), G (group: 32, 64 or 128), H, I, TOPK.
-#include "common.cuh"
+#include PROBE_COMMON                           // common.cuh; mbar_init, mbar_done, mbar_arrive
 
 #define CH N3                                   // rows a block
 #define KS 64                                   // K a stage: 4 k16 steps, 128 bytes a token row
@@ -46,15 +47,10 @@ static_assert(N1 % 16 == 0 && N2 % 16 == 0 && N3 % 16 == 0 && N1 <= N2 && N2 <= 
               "N1 <= N2 <= N3: multiples of 16 up to 128");
 static_assert(H % 128 == 0 && I % 128 == 0, "the stage loop runs stages in pairs: H and I multiples of 128");
 
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}"
-                 :: "r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {   // ~2 s without the phase: trap, not hang
+    const long long t0 = clock64();
+    while (!mbar_done(bar, parity))
+        if (clock64() - t0 > 4000000000ll) __trap();
 }
 __device__ __forceinline__ void cp_arrive(unsigned bar) {   // arrives when this thread's cp.async so far have landed
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
