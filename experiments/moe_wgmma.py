@@ -10,10 +10,10 @@ computes in four launches and no host syncs: `moe_marlin.plan` with blocks of CH
 `wg_w13`, `wg_w2`, and moe_wide's `wide_ksum` (a token's k weighted rows summed in slot order).
 
 Predicted at the K2.6 TP-8 shard, T = 4096 (uniform: 85 tokens an expert, one block each, the
-products at N = 96): w13 1536 items of 176 MFLOP, 11.6 a program, 29 us each at an SM's share
-of an 800 TFLOP/s GEMM rate: ~350 us at that rate (moe_wide: 1286 us on the H200); its 0.79 GB
-of words and scales take 187 us at 4.24 TB/s. w2 21504 items of 6.3 MFLOP (~1 us of products,
-4 stages each): ~175 us of products plus each item's epilogue. Not yet run on a GPU.
+products at N = 96): w13 1536 items of 176 MFLOP, 338 us at an 800 TFLOP/s GEMM rate (moe_wide:
+1286 us on the H200); w2 21504 items of 4 stages, 169 us of products plus the items' epilogues;
+the layer ~1.0 ms if the products run at 65 % of the rate (docs/notes/moe.md, "wgmma v3"). With
+blocks of 48 rows (SIZES 16-32-48) the candidate for T = 96-512. Not yet run on a GPU.
 """
 from __future__ import annotations
 
