@@ -95,10 +95,10 @@ def main(out: str, tokens: str = "96,170,256,512,1024,2048,4096", specs: str = "
                                  bitwise_repeat=bool(torch.equal(y, layer(0))), gpu=torch.cuda.get_device_name(dev),
                                  gemm_tflops=round(tflops, 1), copy_gbps=round(copy_gbps)))
                 print(rows[-1], flush=True)
-    with open(out, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+                with open(out, "w", newline="") as f:                  # after every row: a cut run keeps its rows
+                    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                    writer.writeheader()
+                    writer.writerows(rows)
     names = list(dict.fromkeys(r["variant"] for r in rows))
     print(f"\nlayer us (w13 / w2 + k sum) % of copy, % of GEMM, best of 2; GEMM {tflops:.0f} TFLOP/s, copy "
           f"{copy_gbps:.0f} GB/s\nT  " + "  ".join(names))
