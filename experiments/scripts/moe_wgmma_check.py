@@ -43,7 +43,7 @@ def parse(spec: str) -> tuple[int, tuple]:
     return int(stages), tuple(int(n) for n in sizes.split("-")) if sizes else mg.SIZES
 
 
-def main(out: str, tokens: str = "96,170,256,512,1024,2048,4096", specs: str = "4,6,8:16-32-48,12:16-32-48") -> None:
+def main(out: str, tokens: str = "4096,512,96,170,1024,2048,256", specs: str = "4,6,8:16-32-48,12:16-32-48") -> None:
     dev = torch.device("cuda")
     w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
     tflops, copy_gbps = timing.gemm_tflops(dev), timing.copy_bandwidth_gbps(dev)
