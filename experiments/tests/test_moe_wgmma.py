@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from ddbench.kernels import marlin
-from ddbench.kernels.moe import ROUTINGS, fused_moe_ref, random_marlin_moe, synthetic_routing
+from ddbench.kernels.moe import ROUTINGS, fused_moe_ref, random_marlin_moe, random_router, route, synthetic_routing
 from experiments import moe_wgmma as mg
-from tests.moe_cases import moe_case as _case
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -57,6 +56,17 @@ def k26():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
     return random_marlin_moe(384, 7168, 256, 32, top_k=8, device=torch.device("cuda"), seed=5)
+
+
+def _case(routing, tokens, w, seed):
+    """tests/moe_cases.moe_case's inputs (not imported: `tests` is no package, and a GPU image's
+    site-packages may hold one of that name)."""
+    dev = torch.device("cuda")
+    x = torch.randn(tokens, w.hidden, device=dev, generator=torch.Generator(dev).manual_seed(seed)).bfloat16()
+    if routing == "router":
+        gw, bias = random_router(w.hidden, w.n_experts, device=dev, seed=seed)
+        return (x, *route(x, gw, bias, 8, 2.5))
+    return (x, *synthetic_routing(routing, tokens, w.n_experts, 8, device=dev, seed=seed))
 
 
 def _err(y, want):
