@@ -23,6 +23,7 @@ from ddbench.kernels import moe_marlin as mm
 from ddbench.kernels import moe_wide as mw
 from ddbench.kernels.moe import fused_moe, fused_moe_ref, random_marlin_moe, resolve_moe_kernel
 from experiments import moe_wgmma as mg
+from experiments.cuda import resources
 from experiments.scripts.moe_marlin_variants import E, G, H, I, K, rotated_inputs
 
 ROT = 4
@@ -75,6 +76,8 @@ def main(out: str, tokens: str = "4096,512,96,170,1024,2048,256", specs: str = "
                 continue
             gr = [mm.plan(ids, E, sz[-1]) for ids, _ in routes]
             gacts = [mg.wg_w13(xs[r], gr[r], K, w, s, sz) for r in range(ROT)]
+            for kname in ("wg_w13", "wg_w2"):                      # the device's compile of the build
+                print(t, spec, kname, resources(mg._kernel(kname, s, sz, G, H, I, K, dev)), flush=True)
             variants[f"wgmma_{spec}"] = (lambda r, s=s, sz=sz: mg.fused_moe_wgmma(xs[r], *routes[r], w, s, sz),
                                          (lambda r, s=s, sz=sz, gr=gr: mg.wg_w13(xs[r], gr[r], K, w, s, sz),
                                           lambda r, s=s, sz=sz, gr=gr, a=gacts: mg.wg_w2(a[r], gr[r], routes[r][1], w,
