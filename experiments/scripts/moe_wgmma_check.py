@@ -44,11 +44,13 @@ def parse(spec: str) -> tuple[int, tuple]:
     return int(stages), tuple(int(n) for n in sizes.split("-")) if sizes else mg.SIZES
 
 
-def main(out: str, tokens: str = "4096,512,96,170,1024,2048,256", specs: str = "4,6,8:16-32-48,12:16-32-48") -> None:
-    dev = torch.device("cuda")
+def main(out: str, tokens: str = "4096,512,96,170,1024,2048,256", specs: str = "4,6,8:16-32-48,12:16-32-48",
+         device: str = "cuda") -> None:
+    dev = torch.device(device)
     w = random_marlin_moe(E, H, I, G, K, device=dev, seed=0)
     tflops, copy_gbps = timing.gemm_tflops(dev), timing.copy_bandwidth_gbps(dev)
     per_expert = sum(p[0].numel() * p.element_size() for p in (w.w13, w.w13_scale, w.w2, w.w2_scale))
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     rows, shown = [], set()
     for t in (int(v) for v in tokens.split(",")):
         xs, routes = rotated_inputs(t, ROT, dev)
@@ -97,7 +99,7 @@ def main(out: str, tokens: str = "4096,512,96,170,1024,2048,256", specs: str = "
                                  pct_copy=round(100 * floor_us / us, 1),
                                  pct_gemm=round(100 * flops(t) / (us * 1e-6) / (tflops * 1e12), 1),
                                  rel_err=f"{((y.float() - ref).norm() / ref.norm()).item():.2e}",
-                                 bitwise_repeat=bool(torch.equal(y, layer(0))), gpu=torch.cuda.get_device_name(dev),
+                                 bitwise_repeat=bool(torch.equal(y, layer(0))), gpu=gpu,
                                  gemm_tflops=round(tflops, 1), copy_gbps=round(copy_gbps)))
                 print(rows[-1], flush=True)
                 with open(out, "w", newline="") as f:                  # after every row: a cut run keeps its rows
