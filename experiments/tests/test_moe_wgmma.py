@@ -234,3 +234,34 @@ def test_emulated_kernel_matches_reference(group):
     y = ypart.float().reshape(40, 2, 128).sum(1).bfloat16()                 # moe_ksum: slot order
     want = fused_moe_ref(x.float(), ids, tw, w).float()
     assert _err(y, want) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [mg.SIZES, (16, 32, 48)])
+def test_wgmma_each_gemm_against_its_reference(k26, sizes):
+    """w13's act rows against fp32 (a failure names the first wrong sorted row and feature), then w2
+    and the k sum on those rows: which GEMM is off, where the whole-layer test only says the output is."""
+    from ddbench.kernels import marlin, moe_marlin
+
+    x, ids, tw = _case("skewed", 300, k26, seed=7)
+    h, i = k26.hidden, k26.inter
+    sorted_ids, block_expert, block_rows, n_blocks = routing = moe_marlin.plan(ids, k26.n_experts, sizes[-1])
+    act = mg.wg_w13(x, routing, 8, k26, mg.STAGES, sizes)
+    y = mg.wg_w2(act, routing, tw, k26, mg.STAGES, sizes)               # w2 and the k sum
+    torch.cuda.synchronize()
+    act_want = torch.zeros_like(act, dtype=torch.float32)
+    rows = []
+    for blk in range(int(n_blocks)):
+        e, n = int(block_expert[blk]), int(block_rows[blk])
+        r = torch.arange(blk * sizes[-1], blk * sizes[-1] + n, device=x.device)
+        w13 = marlin.dequantize(k26.w13[e], k26.w13_scale[e], h, 2 * i, k26.group_size)
+        gu = x[sorted_ids[r].long() // 8].float() @ w13
+        act_want[r] = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+        rows.append(r)
+    rows = torch.cat(rows)
+    err = (act[rows].float() - act_want[rows]).abs()
+    bad = (err > 2e-2 * act_want[rows].abs().max()).nonzero()
+    assert bad.numel() == 0, (f"w13: {bad.shape[0]} wrong values, first at (sorted row {int(rows[bad[0, 0]])}, "
+                              f"feature {int(bad[0, 1])})")
+    want = fused_moe_ref(x.float(), ids, tw, k26).float()
+    assert _err(y, want) <= 1e-2, "w2 or the k sum (w13's act checked above)"
