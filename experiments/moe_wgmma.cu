@@ -1,8 +1,8 @@
-// W4A16 MoE on Hopper's wgmma, for many tokens an expert (experiments/moe_wgmma.py; the design
-// docs/notes/moe.md asks for at T >= 1024: every weight dequantized once a block of up to 128
-// tokens, the tensor-core products running on under the next stage's dequantization).
+// W4A16 MoE on Hopper's wgmma (experiments/moe_wgmma.py; docs/notes/moe.md, "wgmma v3"): every
+// weight dequantized once a block of up to N3 tokens, the tensor-core products running on under
+// the next stage's dequantization.
 //
-// Two GEMM launches after moe_marlin's planning (moe_plan with blocks of CH = 128 rows):
+// Two GEMM launches after moe_marlin's planning (moe_plan with blocks of CH = N3 rows):
 //   wg_w13  x [T, H] -> act [rows, I] bf16 (sorted rows): SiLU(gate) * up;
 //   wg_w2   act -> ypart [T*k, H] bf16: each row times its top-k weight (moe_wide's wide_ksum
 //           then sums a token's k rows in slot order).
@@ -14,19 +14,18 @@
 // columns each), dequantizes its rows' words of a stage into registers as wgmma's A operand
 // (warp w the Marlin tile w of its block: the word of lane 4g + t is exactly that lane's A
 // fragment, as in moe_marlin), issues 4 wgmma m64nNk16 (N = N1, N2 or N3, the least that holds
-// the block's rows; blocks of CH = N3 rows: with more than three sizes compiled in, ptxas 13.0
-// serializes the wgmma for want of registers at 168 a thread), commits them and waits for the group before, so a stage's
+// the block's rows: with more than three sizes compiled in, ptxas 13.0 serializes the wgmma for
+// want of registers at 168 a thread), commits them and waits for the group before, so a stage's
 // products run while the next stage's words are dequantized; then it frees the slot before on
-// `empty` (8 warps arrive).
-// The A registers alternate between two sets (stages even / odd), so the set an in-flight
-// group reads is never rewritten before its wait.
+// `empty` (8 warps arrive). The A registers alternate between two sets (stages even / odd), so
+// the set an in-flight group reads is never rewritten before its wait.
 //
 // Items: w13 (block, 64 features), w2 (block, 128 output columns), taken round robin
 // (program, program + grid, ...), so the items of one block run at the same time on
 // neighbouring programs and share its token rows in L2.
 // Weights: (q - 8) * scale rounded to bf16 once (moe_wide's rounding), fp32 accumulators.
-// Determinism: no K split, no atomics. A wait on an mbarrier that lasts ~2 s traps (an error, not a hang:
-// the kernel has not yet run on a GPU).
+// Determinism: no K split, no atomics. A wait on an mbarrier that lasts ~2 s traps: an error,
+// not a hang (the kernel has not yet run on a GPU).
 //
 // Compile-time: STAGES, N1 <= N2 <= N3 (multiples of 16 up to 128), G (group: 32, 64 or 128), H, I, TOPK.
 #include PROBE_COMMON                           // common.cuh; mbar_init, mbar_done, mbar_arrive
