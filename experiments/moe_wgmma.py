@@ -22,6 +22,7 @@ import functools
 import torch
 
 from ddbench.kernels import moe_marlin, moe_wide, pdl
+from ddbench.kernels.device import sm_count
 from experiments.cuda import kernel
 
 STAGES = 4
@@ -69,8 +70,7 @@ def _kernel(name: str, stages: int, sizes: tuple, group: int, hidden: int, inter
 
 def _launch(name: str, stages: int, sizes: tuple, w, top_k: int, device: torch.device, args: list, mode: int) -> None:
     k = _kernel(name, stages, tuple(sizes), w.group_size, w.hidden, w.inter, top_k, device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    k(sms, 384, shared_bytes(stages, sizes), args + [mode], pdl=mode > 0)
+    k(sm_count(device), 384, shared_bytes(stages, sizes), args + [mode], pdl=mode > 0)
 
 
 def wg_w13(x: torch.Tensor, routing: tuple, top_k: int, w, stages: int = STAGES, sizes: tuple = SIZES,

@@ -45,7 +45,7 @@ for step in ${STEPS:-sweep e2e sweep_before e2e_before}; do
     variants) timeout ${MV_TIMEOUT:-240} python3 -m experiments.scripts.moe_marlin_variants "$RUNS/${GPU}_${S}_variants.csv" \
                 "${MV_T:-8,16,32,64,96,128,256,512}" "${MV_V:-addr,f16,addr_f16}" 2>&1 | tail -10 ;;
     ncu) timeout 300 bash experiments/scripts/ncu.sh wide experiments.scripts.moe_ncu wide "${NCU_T:-4096}" 2>&1 | tail -9 ;;
-    wgmma) timeout 240 python3 -m pytest -q -m gpu experiments/tests/test_moe_wgmma.py 2>&1 | grep -E "passed|failed|^E " | head -12
+    wgmma) timeout ${TEST_CAP:-240} python3 -m pytest -q -m gpu experiments/tests/test_moe_wgmma.py 2>&1 | grep -E "passed|failed|^E " | head -12
            [ "${PIPESTATUS[0]}" = 0 ] && timeout ${WG_CAP:-300} python3 -m experiments.scripts.moe_wgmma_check \
              "$RUNS/${GPU}_${S}_wgmma.csv" "${WG_T:-4096,512,96,170,1024,2048,256}" "${WG_V:-4,6,8:16-32-48,12:16-32-48}" 2>&1 | tail -8 ;;
     sweep) timeout -s INT ${SW_CAP:-100} python3 -m ddbench $SW --tp 8 --name "${GPU}_${S}_tp8" 2>&1 | rows ;;

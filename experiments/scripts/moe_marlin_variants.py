@@ -130,6 +130,8 @@ def addr(text: str) -> str:
 VARIANTS = {"addr": (addr, torch.bfloat16),
             "f16": (lambda text: replace_all(text, F16), torch.float16),
             "addr_f16": (lambda text: replace_all(addr(text), F16), torch.float16)}
+
+
 def variant_source(name: str) -> str:
     """Variant `name` written beside the kernel; its file name."""
     path = SRC.with_name(f"_probe_marlin_{name}.cu")
@@ -187,7 +189,6 @@ def main(out: str, tokens: str = "8,16,32,64,96,128,256,512", names: str = "addr
                     use_source(src)
                     xv = [x.to(dtype) for x in xs]
                     it = iter(range(10**9))
-
 
                     def call():
                         r = next(it) % ROT
